@@ -1,0 +1,247 @@
+"""The staleness gate between rollouts and the trainer, in units of groups.
+
+A group is the G completions of one prompt. The buffer decides when a new group may start
+(AReaL-style admission), which finished groups enter the queue (dynamic-sampling filter and
+per-sample staleness rejection) and hands the trainer batches of B groups.
+
+Pure Python: no Ray, no torch. Not thread-safe; drive it from one event loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Any
+
+from factory.types import NOT_SAMPLED, Batch, Group, Sample
+
+ACCEPTED = "accepted"
+FILTERED = "filtered"
+REJECTED = "rejected"
+FAILED = "failed"
+
+MIN_GROUP_SIZE = 2  # fewer than two samples leaves no baseline to compare a reward against
+
+
+class StalenessBuffer:
+    """Staleness-gated admission of groups with a queue the trainer takes batches from.
+
+    Notation: B = `groups_per_step` (groups per optimizer step), η = `max_staleness`,
+    v = `version` (the policy version the engines serve: the number of optimizer steps whose
+    weights have been published), `running` = groups started but not finished, `accepted` =
+    groups ever accepted into the queue (consumed or not) minus those later purged as stale.
+
+    Admission. A new group may start while `capacity() > 0`, where
+
+        capacity = max(0, min(max_inflight − running, (η + v + 1)·B − (accepted + running)))
+
+    Every group that is running or was accepted will be trained on by some step; the rule caps
+    that total at the groups steps 0 … v+η can consume, so no group is started more than η
+    versions ahead of the weights that will train on it:
+
+    - η = 0 (synchronous): at v = 0 exactly B groups may start. Once they are accepted and taken
+      as batch 0, capacity stays 0 until the weights of step 1 are published (`set_version(1)`);
+      generation for version v+1 never overlaps training at v.
+    - η = 1 (one-step off-policy): 2B groups may be started or accepted ahead, so generation
+      for step v+1 runs while the trainer works on step v, with samples at most one version old.
+    - η = k: up to (k+1)·B groups ahead; samples may be up to k versions old.
+
+    Per-sample staleness. A sample's staleness is v − (the version of its oldest sampled token).
+    Samples with staleness > η are dropped when a group finishes, again whenever the version
+    advances, and once more before a batch is returned, so a batch never holds a sample with
+    staleness > η. A sample with no sampled token has no behaviour version and nothing to train
+    on; it is dropped the same way. A group left with fewer than 2 samples is rejected (at
+    finish) or purged (later); purging lowers `accepted`, which reopens capacity.
+
+    Dynamic-sampling filter (`filter_zero_variance`). A group whose rewards are all equal gives
+    every sample advantage r − mean(r) = 0 and so no gradient; it is "filtered": not queued, not
+    counted as accepted, so its slot is refilled by a new group.
+
+    Accounting invariants: accepted = consumed + queued, and
+    accepted + running ≤ (η + v + 1)·B.
+    """
+
+    def __init__(
+        self,
+        groups_per_step: int,
+        max_staleness: int,
+        max_inflight: int,
+        filter_zero_variance: bool = True,
+    ) -> None:
+        if groups_per_step <= 0:
+            raise ValueError(f"groups_per_step must be > 0, got {groups_per_step}")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if max_inflight <= 0:
+            raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
+        self.groups_per_step = groups_per_step
+        self.max_staleness = max_staleness
+        self.max_inflight = max_inflight
+        self.filter_zero_variance = filter_zero_variance
+
+        self._version = 0
+        self._queue: deque[Group] = deque()
+        # Read-only counters (public for metrics and tests; change them only through methods).
+        self.running = 0  # started, not yet finished
+        self.accepted = 0  # accepted into the queue, minus those purged as stale
+        self.consumed = 0  # groups handed to the trainer in batches
+        self.filtered = 0  # zero-variance groups dropped at finish
+        self.rejected_groups = 0  # groups left with < 2 fresh samples at finish
+        self.rejected_samples = 0  # samples dropped as stale (at finish or later)
+        self.purged_groups = 0  # queued groups dropped after the version advanced
+        self.failed = 0  # episodes that finished without a group
+
+    # ---- version -------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The policy version the engines currently serve."""
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        """Record newly published weights and drop queued samples that became too stale."""
+        if version < self._version:
+            raise ValueError(f"version must not decrease: {self._version} -> {version}")
+        self._version = version
+        self._purge_queue()
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def capacity(self) -> int:
+        """How many more groups may start now: the formula in the class docstring."""
+        inflight_room = self.max_inflight - self.running
+        staleness_room = (self.max_staleness + self._version + 1) * self.groups_per_step - (
+            self.accepted + self.running
+        )
+        return max(0, min(inflight_room, staleness_room))
+
+    def start(self) -> bool:
+        """Reserve a slot for one new group; False means wait (no capacity)."""
+        if self.capacity() <= 0:
+            return False
+        self.running += 1
+        return True
+
+    def finish(self, group: Group | None) -> str:
+        """Release a started group's slot and decide its fate.
+
+        Returns "failed" (None: the episode produced no group), "filtered" (all rewards equal),
+        "rejected" (fewer than 2 samples with staleness ≤ η, or equal rewards among them) or
+        "accepted" (queued, with its stale samples removed).
+        """
+        if self.running <= 0:
+            raise RuntimeError("finish() called with no running group (more finishes than starts)")
+        self.running -= 1
+        if group is None:
+            self.failed += 1
+            return FAILED
+        if self._no_reward_variance(group.samples):
+            self.filtered += 1
+            return FILTERED
+        fresh = self._fresh_or_none(group)
+        if fresh is None:
+            self.rejected_groups += 1
+            return REJECTED
+        self._queue.append(fresh)
+        self.accepted += 1
+        return ACCEPTED
+
+    # ---- consumption ---------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        """At least B groups are queued."""
+        return len(self._queue) >= self.groups_per_step
+
+    def take_batch(self) -> Batch | None:
+        """Pop the B oldest queued groups as a batch at the current version, or None.
+
+        Staleness is re-checked first, so every returned sample has staleness ≤ η; if purging
+        leaves fewer than B groups, they stay queued and the result is None.
+        """
+        self._purge_queue()
+        if not self.ready():
+            return None
+        groups = [self._queue.popleft() for _ in range(self.groups_per_step)]
+        self.consumed += len(groups)
+        return Batch(version=self._version, groups=groups)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    # ---- staleness and filtering ---------------------------------------------------------
+
+    def staleness(self, sample: Sample) -> int | None:
+        """v − oldest sampled version; None when the sample has no sampled token."""
+        oldest = sample.oldest_version
+        if oldest == NOT_SAMPLED:
+            return None
+        return self._version - oldest
+
+    def _is_fresh(self, sample: Sample) -> bool:
+        staleness = self.staleness(sample)
+        return staleness is not None and staleness <= self.max_staleness
+
+    def _no_reward_variance(self, samples: list[Sample]) -> bool:
+        return self.filter_zero_variance and len({s.reward for s in samples}) <= 1
+
+    def _fresh_or_none(self, group: Group) -> Group | None:
+        """The group without its stale samples, or None if what remains cannot be trained on.
+
+        Counts the dropped samples. A copy is returned so the caller's group is left intact.
+        """
+        fresh = [s for s in group.samples if self._is_fresh(s)]
+        self.rejected_samples += len(group.samples) - len(fresh)
+        if len(fresh) < MIN_GROUP_SIZE or self._no_reward_variance(fresh):
+            return None
+        if len(fresh) == len(group.samples):
+            return group
+        return dataclasses.replace(group, samples=fresh)
+
+    def _purge_queue(self) -> None:
+        """Re-apply the staleness rule to every queued group at the current version."""
+        kept: deque[Group] = deque()
+        for group in self._queue:
+            fresh = self._fresh_or_none(group)
+            if fresh is None:
+                self.purged_groups += 1
+                self.accepted -= 1  # its slot returns to the admission budget
+            else:
+                kept.append(fresh)
+        self._queue = kept
+
+    # ---- observability and checkpoints ---------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "buffer/queued": float(len(self._queue)),
+            "buffer/running": float(self.running),
+            "buffer/accepted": float(self.accepted),
+            "buffer/consumed": float(self.consumed),
+            "buffer/filtered": float(self.filtered),
+            "buffer/rejected_samples": float(self.rejected_samples),
+            "buffer/rejected_groups": float(self.rejected_groups),
+            "buffer/purged_groups": float(self.purged_groups),
+            "buffer/failed": float(self.failed),
+            "buffer/capacity": float(self.capacity()),
+            "staleness/version": float(self._version),
+        }
+
+    _COUNTERS = (
+        "consumed", "filtered", "rejected_groups", "rejected_samples", "purged_groups", "failed",
+    )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Version and counters. Queued and running groups are not saved: on resume they are
+        regenerated, so `load_state_dict` sets accepted := consumed and running := 0."""
+        state: dict[str, Any] = {"version": self._version}
+        state.update({name: getattr(self, name) for name in self._COUNTERS})
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._version = int(state["version"])
+        for name in self._COUNTERS:
+            setattr(self, name, int(state.get(name, 0)))
+        self._queue.clear()
+        self.running = 0
+        self.accepted = self.consumed  # only consumed groups survive a restart

@@ -1,0 +1,155 @@
+"""`factory …`: run recipes, check them, print their schema, expand sweeps."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from factory.recipe import RecipeError, expand_sweep, json_schema, load_recipe
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def new_run_dir(name: str) -> Path:
+    from factory.paths import runs_dir
+
+    return runs_dir() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def cmd_recipe_check(args) -> int:
+    try:
+        recipe = load_recipe(args.file, args.overrides)
+    except RecipeError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    points = expand_sweep(recipe)
+    print(f"{args.file}: ok ({recipe.name}, fingerprint {recipe.fingerprint()}"
+          + (f", sweep of {len(points)} runs" if recipe.sweep else "") + ")")
+    return 0
+
+
+def cmd_recipe_schema(args) -> int:
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def _train_with_progress(recipe, run_dir: Path) -> dict:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from factory.run import run
+
+    console = Console(stderr=True)
+    progress = Progress(
+        TextColumn("[bold]step {task.completed:>4.0f}/{task.total:.0f}"), BarColumn(),
+        TextColumn("reward {task.fields[reward]:.3f}"), TextColumn("{task.fields[rate]:.0f} samples/s"),
+        TextColumn("staleness {task.fields[stale]:.2f} (max {task.fields[stale_max]:.0f})"),
+        TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False,
+    )
+    bar = progress.add_task("train", total=recipe.train.steps, reward=0.0, rate=0.0, stale=0.0, stale_max=0)
+
+    def on_phase(text: str) -> None:
+        console.print(f"[cyan]»[/cyan] {text}")
+
+    def on_step(report) -> None:
+        m = report.metrics
+        if not progress.live.is_started:
+            progress.start()
+        progress.update(bar, completed=report.step, reward=m["rollout/reward_mean"], rate=m["perf/samples_per_s"],
+                        stale=m["staleness/mean"], stale_max=m["staleness/max"])
+
+    try:
+        return run(recipe, run_dir, on_step=on_step, on_phase=on_phase)
+    finally:
+        progress.stop()
+
+
+def print_summary(results: dict) -> None:
+    def acc(key: str) -> str:
+        r = results.get(key)
+        return f"{r['mean']:.3f} ± {r['stderr']:.3f} (n={r['n']})" if r else "not evaluated"
+
+    print("\n== run summary ==")
+    print(f"accuracy before RL : {acc('before')}")
+    print(f"accuracy after RL  : {acc('after')}")
+    if "delta" in results:
+        verdict = "yes" if results["improved_beyond_2se"] else "no"
+        print(f"improvement        : {results['delta']:+.3f} (2·SE = {2 * results['delta_stderr']:.3f}; beyond 2·SE: {verdict})")
+    print(f"time               : {results['total_seconds']:.0f}s total, {results['train_seconds']:.0f}s training "
+          f"({results['samples_trained']} samples, trainer idle {results['trainer_idle_fraction']:.0%})")
+    print(f"outputs            : {results['run_dir']} (results.json, metrics.jsonl, samples.jsonl, checkpoints/)")
+
+
+def cmd_run(args) -> int:
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    if recipe.sweep:
+        return _fail(f"{args.recipe} holds a sweep grid: use `factory sweep {args.recipe}`")
+    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(recipe.name)
+    results = _train_with_progress(recipe, run_dir)
+    print_summary(results)
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    points = expand_sweep(recipe)
+    print(f"sweep of {len(points)} runs")
+    for point, sub in points:
+        print(f"\n### {sub.name}  {point}")
+        if args.dry_run:
+            continue
+        print_summary(_train_with_progress(sub, new_run_dir(sub.name)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="factory", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="train a recipe end to end")
+    r.add_argument("recipe")
+    r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
+    r.add_argument("--run-dir", help="output directory (default: a new one under the state dir)")
+    r.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("sweep", help="run every grid point of a recipe's sweep section")
+    s.add_argument("recipe")
+    s.add_argument("overrides", nargs="*")
+    s.add_argument("--dry-run", action="store_true", help="list the grid points only")
+    s.set_defaults(fn=cmd_sweep)
+
+    rc = sub.add_parser("recipe", help="check recipes, print the schema")
+    rsub = rc.add_subparsers(dest="recipe_command", required=True)
+    c = rsub.add_parser("check", help="validate a recipe file (with optional overrides)")
+    c.add_argument("file")
+    c.add_argument("overrides", nargs="*")
+    c.set_defaults(fn=cmd_recipe_check)
+    sc = rsub.add_parser("schema", help="print the recipe JSON schema")
+    sc.set_defaults(fn=cmd_recipe_schema)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

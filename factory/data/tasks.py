@@ -1,0 +1,136 @@
+"""Task sources over reasoning-gym, with seeded disjoint train/held-out splits, and a sampler
+whose position is saved in checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from factory.types import Task
+
+
+def _family_seed(seed: int, family: str, split: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{family}/{split}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def _question_key(task: Task) -> str:
+    return f"{task.family}\x00{task.question}"
+
+
+@dataclass
+class TaskFamilySpec:
+    name: str
+    config: dict[str, Any]
+    weight: float = 1.0
+
+
+class ReasoningGymSource:
+    """Procedural tasks from reasoning-gym families, mixed by weight.
+
+    The held-out split is generated from its own seed; the training split skips any question
+    that also appears held-out, so the two are disjoint by construction.
+    """
+
+    def __init__(self, families: list[TaskFamilySpec], train_size: int, heldout_size: int, seed: int = 0):
+        if not families:
+            raise ValueError("data.families: give at least one task family")
+        self.families = families
+        self.train_size = train_size
+        self.heldout_size = heldout_size
+        self.seed = seed
+
+    @classmethod
+    def from_recipe(cls, data_section) -> "ReasoningGymSource":
+        specs = [TaskFamilySpec(f.name, dict(f.config), f.weight) for f in data_section.families]
+        return cls(specs, data_section.train_size, data_section.heldout_size, data_section.seed)
+
+    def _dataset(self, spec: TaskFamilySpec, split: str, size: int):
+        import reasoning_gym
+
+        cfg = dict(spec.config)
+        if "operators" in cfg and isinstance(cfg["operators"], list):
+            cfg["operators"] = tuple(cfg["operators"])
+        try:
+            return reasoning_gym.create_dataset(
+                spec.name, size=size, seed=_family_seed(self.seed, spec.name, split), **cfg
+            )
+        except Exception as err:  # reasoning-gym raises a mix of KeyError/TypeError/ValueError
+            raise ValueError(f"data.families: cannot build {spec.name!r} with {cfg}: {err}") from None
+
+    def _sizes(self, total: int) -> list[int]:
+        weights = [f.weight for f in self.families]
+        sizes = [int(total * w / sum(weights)) for w in weights]
+        sizes[0] += total - sum(sizes)
+        return sizes
+
+    def _generate(self, split: str, total: int, exclude: set[str]) -> list[Task]:
+        tasks: list[Task] = []
+        for spec, size in zip(self.families, self._sizes(total)):
+            # over-generate: duplicates and held-out questions are skipped, so each split holds
+            # unique questions (a small family may hold fewer than asked for)
+            ds = self._dataset(spec, split, size * 3 + 64)
+            n = 0
+            for i, entry in enumerate(ds):
+                task = Task(
+                    task_id=f"{spec.name}/{split}/{i}",
+                    family=spec.name,
+                    question=entry["question"],
+                    answer=str(entry["answer"]),
+                    metadata={"rg_entry": entry},
+                )
+                if _question_key(task) in exclude:
+                    continue
+                exclude.add(_question_key(task))
+                tasks.append(task)
+                n += 1
+                if n == size:
+                    break
+        return tasks
+
+    @cached_property
+    def heldout(self) -> list[Task]:
+        return self._generate("heldout", self.heldout_size, exclude=set())
+
+    @cached_property
+    def train(self) -> list[Task]:
+        return self._generate("train", self.train_size, exclude={_question_key(t) for t in self.heldout})
+
+
+class TaskSampler:
+    """Cycles through tasks in a seeded shuffled order; `state_dict` is its exact position."""
+
+    def __init__(self, tasks: list[Task], seed: int = 0):
+        if not tasks:
+            raise ValueError("task sampler needs at least one task")
+        self.tasks = tasks
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order = self._shuffle(0)
+
+    def _shuffle(self, epoch: int) -> list[int]:
+        order = list(range(len(self.tasks)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self) -> Task:
+        if self.position >= len(self._order):
+            self.epoch += 1
+            self.position = 0
+            self._order = self._shuffle(self.epoch)
+        task = self.tasks[self._order[self.position]]
+        self.position += 1
+        return task
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seed = state["seed"]
+        self.epoch = state["epoch"]
+        self.position = state["position"]
+        self._order = self._shuffle(self.epoch)

@@ -1,0 +1,44 @@
+"""The environment protocol: an agent program that plays one episode against an OpenAI endpoint.
+
+An environment never sees token ids. It talks to the gateway with the `openai` client, and the
+gateway records what was sampled; the environment only returns the reward of its episode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from factory.types import Task
+
+
+@dataclass
+class EpisodeResult:
+    reward: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(Protocol):
+    name: str
+
+    def prompt_messages(self, task: Task) -> list[dict]:
+        """The opening messages of an episode (also what the SFT warm start trains on)."""
+
+    async def run_episode(self, client, model: str, task: Task, sampling: dict[str, Any]) -> EpisodeResult:
+        """Play one episode through `client` (an `openai.AsyncOpenAI`) and score it."""
+
+
+ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+
+
+def register_environment(name: str):
+    def wrap(factory: Callable[..., Environment]):
+        ENVIRONMENTS[name] = factory
+        return factory
+
+    return wrap
+
+
+def make_environment(section) -> Environment:
+    """Build the environment a recipe's `environment` section names."""
+    return ENVIRONMENTS[section.name](section)

@@ -1,0 +1,389 @@
+"""Recipes: typed, validated run configuration as code.
+
+A recipe is a YAML file whose sections map onto the models below. Dotted overrides
+(`train.lr=3e-4`) patch it from the command line; a `sweep` section holds a grid that expands
+to one recipe per grid point. Every user error becomes a `RecipeError` whose lines each name the
+file and the field path, never a traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import itertools
+import json
+import re
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class RecipeError(ValueError):
+    """A recipe problem a user can fix; `str()` is one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class ModelSection(Section):
+    """The policy. With `path` unset, a tiny Llama is built and warm-started locally."""
+
+    path: str | None = Field(None, description="an existing HF model dir; unset builds the tiny model")
+    hidden_size: int = Field(256, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    intermediate_size: int = Field(704, gt=0)
+    max_position: int = Field(256, gt=16)
+    bpe_vocab_size: int = Field(300, ge=260, description="byte-level BPE vocab incl. 256 bytes")
+    sft_steps: int = Field(300, ge=0, description="supervised warm-start steps")
+    sft_batch_size: int = Field(128, gt=0)
+    sft_lr: float = Field(1e-3, gt=0)
+    sft_examples: int = Field(20000, gt=0, description="training tasks used for the warm start")
+    seed: int = 0
+
+
+class TaskFamily(Section):
+    name: str = Field(description="a reasoning-gym dataset name, e.g. basic_arithmetic")
+    weight: float = Field(1.0, gt=0)
+    config: dict[str, Any] = Field(default_factory=dict, description="the dataset's own options")
+
+
+class DataSection(Section):
+    families: list[TaskFamily] = Field(
+        default_factory=lambda: [
+            TaskFamily(
+                name="basic_arithmetic",
+                config=dict(
+                    min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=["+"],
+                    allow_parentheses=False, allow_negation=False,
+                ),
+            )
+        ],
+        min_length=1,
+    )
+    train_size: int = Field(8000, gt=0, description="unique training questions (fewer if a family is small)")
+    heldout_size: int = Field(1000, gt=0)
+    seed: int = 0
+
+
+class LatencySection(Section):
+    """Synthetic environment latency: most episodes fast, a fraction much slower (benchmarks)."""
+
+    fast_s: float = Field(0.0, ge=0)
+    slow_s: float = Field(0.0, ge=0)
+    slow_fraction: float = Field(0.0, ge=0, le=1)
+
+
+class EnvironmentSection(Section):
+    name: str = Field("single_turn", description="a registered environment")
+    system_prompt: str | None = None
+    workers: int = Field(1, gt=0, description="env worker actors, each hosting a gateway")
+    latency: LatencySection = Field(default_factory=LatencySection)
+
+
+class RolloutSection(Section):
+    engine: Literal["vllm", "hf", "sglang"] = "vllm"
+    num_engines: int = Field(1, gt=0)
+    group_size: int = Field(8, gt=1, description="G completions per prompt")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1 disables top-k")
+    max_new_tokens: int = Field(8, gt=0)
+    max_model_len: int = Field(256, gt=16, description="prompt + completion tokens an engine accepts")
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    weight_sync: Literal["broadcast", "disk"] = "broadcast"
+    bucket_mb: int = Field(16, gt=0)
+    kv_cache_gb: int = Field(2, gt=0)
+    cpus: int = Field(1, gt=0, description="threads for each engine")
+    startup_timeout_s: float = Field(300, gt=0)
+
+
+class AlgorithmSection(Section):
+    advantage: str = Field("grpo", description="a registered advantage estimator")
+    loss: str = Field("ppo_clip", description="a registered policy loss")
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0, description="clip-higher: upper ratio bound is 1 + clip_high")
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    kl_coef: float = Field(0.0, ge=0, description="KL to a frozen reference; 0 disables it")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    filter_zero_variance: bool = True
+
+
+class AsyncSection(Section):
+    max_staleness: int = Field(1, ge=0, description="η: 0 synchronous, 1 one-step off-policy, k async")
+    max_inflight_groups: int = Field(32, gt=0)
+
+
+class TrainSection(Section):
+    steps: int = Field(400, gt=0)
+    groups_per_step: int = Field(8, gt=0, description="B prompts per optimizer step")
+    lr: float = Field(5e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    checkpoint_every: int = Field(100, ge=0, description="0 saves only the final checkpoint")
+    threads: int = Field(1, gt=0)
+    seed: int = 0
+
+
+class EvalSection(Section):
+    heldout: int = Field(1000, gt=0, description="held-out prompts per evaluation")
+    temperature: float = Field(1.0, gt=0)
+    before: bool = True
+    after: bool = True
+
+
+class LakeSection(Section):
+    enabled: bool = False
+    catalog: dict[str, Any] = Field(default_factory=dict, description="PyIceberg catalog properties")
+    namespace: str = "factory"
+
+
+class TrackingSection(Section):
+    enabled: bool = False
+    uri: str | None = None
+    experiment: str = "factory"
+
+
+class Recipe(Section):
+    name: str = "default"
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    async_: AsyncSection = Field(default_factory=AsyncSection, alias="async")
+    train: TrainSection = Field(default_factory=TrainSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    lake: LakeSection = Field(default_factory=LakeSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    sweep: dict[str, list[Any]] = Field(
+        default_factory=dict, description="dotted field path -> values; the grid is their product"
+    )
+
+    @model_validator(mode="after")
+    def _check_registries(self) -> "Recipe":
+        from factory.algo import ADVANTAGES, POLICY_LOSSES
+        from factory.envs import ENVIRONMENTS
+
+        checks = [
+            ("algorithm.advantage", self.algorithm.advantage, ADVANTAGES),
+            ("algorithm.loss", self.algorithm.loss, POLICY_LOSSES),
+            ("environment.name", self.environment.name, ENVIRONMENTS),
+        ]
+        for path, value, registry in checks:
+            if value not in registry:
+                raise ValueError(f"{path}: unknown {value!r}; choose one of {sorted(registry)}")
+        return self
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.dump(), sort_keys=False)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.dump(), sort_keys=True).encode()).hexdigest()[:12]
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+
+_FLOAT_WITHOUT_DOT = re.compile(r"^[-+]?\d+[eE][-+]?\d+$")  # YAML 1.1 reads 3e-4 as a string
+_PATH_IN_MESSAGE = re.compile(r"^([A-Za-z_][\w.]*): (.*)$")  # "algorithm.loss: unknown ..." from a validator
+
+
+def _show(value: Any) -> str:
+    """A short, one-line rendering of the value a user wrote."""
+    text = repr(value) if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """('data', 'families', 0, 'name') -> 'data.families[0].name'."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += ("." if path else "") + ("async" if part == "async_" else str(part))
+    return path or "<root>"
+
+
+def _fields_of_parent(loc: tuple[Any, ...]) -> list[str]:
+    """The field names allowed beside loc[-1] (empty if the parent is not a recipe section)."""
+    model: type[BaseModel] = Recipe
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue  # a list item: stay on the list's item model
+        field = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
+        if field is None:
+            return []
+        annotation = field.annotation
+        if typing.get_origin(annotation) is list:
+            annotation = typing.get_args(annotation)[0]
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return [f.alias or n for n, f in model.model_fields.items()]
+
+
+def _plain_message(e: dict[str, Any]) -> str:
+    """Pydantic's error in plain words: what is expected and what was written."""
+    kind, ctx, got = e["type"], e.get("ctx", {}), _show(e.get("input"))
+    if kind == "extra_forbidden":
+        known = _fields_of_parent(e["loc"])
+        close = difflib.get_close_matches(str(e["loc"][-1]), known, n=1)
+        if close:
+            return f"unknown field; did you mean {close[0]!r}?"
+        return f"unknown field; known fields: {', '.join(known)}" if known else "unknown field"
+    if kind == "missing":
+        is_list_item = isinstance(e["loc"][-1], int)
+        return "item missing; the list is too short" if is_list_item else "required but missing"
+    if kind in ("int_parsing", "int_type"):
+        return f"expected an integer, got {got}"
+    if kind == "int_from_float":
+        return f"expected a whole number, got {got}"
+    if kind in ("float_parsing", "float_type"):
+        return f"expected a number, got {got}"
+    if kind in ("bool_parsing", "bool_type"):
+        return f"expected true or false, got {got}"
+    if kind == "string_type":
+        return f"expected text, got {got}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"expected a section of `field: value` lines, got {got}"
+    if kind in ("list_type", "tuple_type"):
+        return f"expected a list, got {got}"
+    if kind == "literal_error":
+        return f"must be one of {ctx['expected']}, got {got}"
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        limit = next(iter(ctx.values()))
+        return f"must be {bounds[kind]} {limit}, got {got}"
+    if kind == "too_short":
+        return f"needs at least {ctx['min_length']} item(s), got {ctx['actual_length']}"
+    if kind == "too_long":
+        return f"takes at most {ctx['max_length']} item(s), got {ctx['actual_length']}"
+    return e["msg"].removeprefix("Value error, ").removeprefix("Input should be ").replace("\n", " ")
+
+
+def _format_errors(
+    source: str, err: ValidationError, overrides: dict[str, str] | None = None
+) -> list[str]:
+    """One line per problem: `source: field.path: what to fix`.
+
+    `overrides` maps an overridden dotted path to the override text; a problem at or below
+    (or above) that path is tagged with it, since the file itself is not where the value came from.
+    """
+    lines = []
+    for e in err.errors():
+        path, msg = _field_path(e["loc"]), _plain_message(e)
+        in_message = _PATH_IN_MESSAGE.match(msg) if path == "<root>" else None
+        if in_message:  # a model validator names its own field path
+            path, msg = in_message.groups()
+        dotted = path.replace("[", ".").replace("]", "")
+        for target, text in (overrides or {}).items():
+            if dotted == target or dotted.startswith(target + ".") or target.startswith(dotted + "."):
+                msg += f" (from override {text!r})"
+                break
+        lines.append(f"{source}: {path}: {msg}")
+    return lines
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b.c=value` -> ("a.b.c", value parsed as YAML, so 3e-4, true, [1, 2] all work)."""
+    if "=" not in text:
+        raise RecipeError([f"override {text!r}: expected FIELD.PATH=VALUE, e.g. train.lr=3e-4"])
+    path, raw = text.split("=", 1)
+    if not path.strip():
+        raise RecipeError([f"override {text!r}: empty field path before '='"])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str) and _FLOAT_WITHOUT_DOT.match(value.strip()):
+        value = float(value)
+    return path.strip(), value
+
+
+def set_dotted(data: dict[str, Any], path: str, value: Any) -> None:
+    keys = path.split(".")
+    node = data
+    for k in keys[:-1]:
+        child = node.get(k)
+        if child is None:
+            child = node[k] = {}
+        if not isinstance(child, dict):
+            raise RecipeError([f"field path {path!r}: {k!r} holds a value, not a section of fields"])
+        node = child
+    node[keys[-1]] = value
+
+
+def recipe_from_dict(data: Any, source: str = "<recipe>", overrides: list[str] = ()) -> Recipe:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(
+            [f"{source}: <root>: expected a mapping of sections (model:, train:, ...), got {_show(data)}"]
+        )
+    data = copy.deepcopy(data)
+    overridden: dict[str, str] = {}
+    for o in overrides:
+        path, value = parse_override(o)
+        set_dotted(data, path, value)
+        overridden[path] = o
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise RecipeError(_format_errors(source, err, overridden)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read, patch and validate a recipe file. Raises RecipeError with one line per problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError([f"{p}: no such recipe file"])
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise RecipeError([f"{p}: cannot read the file ({err})"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<root>"
+        problem = str(getattr(err, "problem", None) or err).replace("\n", " ")
+        raise RecipeError([f"{p}: {where}: invalid YAML ({problem})"]) from None
+    return recipe_from_dict(data, str(p), overrides)
+
+
+def expand_sweep(recipe: Recipe) -> list[tuple[dict[str, Any], Recipe]]:
+    """One (grid point, recipe) per element of the product of `sweep`'s value lists."""
+    if not recipe.sweep:
+        return [({}, recipe)]
+    base = recipe.dump()
+    base["sweep"] = {}
+    keys = list(recipe.sweep)
+    out = []
+    for values in itertools.product(*(recipe.sweep[k] for k in keys)):
+        point = dict(zip(keys, values))
+        data = copy.deepcopy(base)
+        for k, v in point.items():
+            set_dotted(data, k, v)
+        suffix = "-".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in point.items())
+        data["name"] = f"{recipe.name}-{suffix}"
+        out.append((point, recipe_from_dict(data, f"sweep point {point}")))
+    return out
+
+
+def json_schema() -> dict[str, Any]:
+    return Recipe.model_json_schema(by_alias=True)

@@ -1,0 +1,1 @@
+"""Scorers: turn an episode's final answer into a reward."""

@@ -1,0 +1,87 @@
+"""The rollout engine protocol: token ids in, token ids + per-token logprobs + versions out.
+
+Every engine (vLLM server, in-process transformers, later SGLang) implements this, and nothing
+above it (gateway, runtime, run loop) knows which one it has.
+
+Weight updates follow one protocol, driven by the run loop:
+    await engine.begin_update()        # stop admitting requests, drain the in-flight ones
+    await engine.receive_broadcast()   # or: await engine.load_from_disk(path)
+    await engine.end_update(version)   # clear the prefix cache, publish the version, reopen
+Because in-flight requests are drained first, every token of a request comes from one version
+and the recorded behaviour logprob is the one that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int = 0
+
+
+class RolloutEngine(Protocol):
+    version: int
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Generation: ...
+    async def abort(self, request_id: str) -> None: ...
+    async def pause(self) -> None: ...
+    async def resume(self) -> None: ...
+    async def begin_update(self) -> None: ...
+    async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str) -> None: ...
+    async def receive_broadcast(self) -> None: ...
+    async def load_from_disk(self, path: str) -> None: ...
+    async def end_update(self, version: int) -> None: ...
+    def metrics(self) -> dict[str, float]: ...
+
+
+class AdmissionGate:
+    """Counts in-flight requests and lets a weight update close the door and wait for drain."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.inflight = 0
+
+    async def __aenter__(self):
+        await self._open.wait()
+        self.inflight += 1
+        self._idle.clear()
+        return self
+
+    async def __aexit__(self, *exc):
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()
+
+    async def close_and_drain(self) -> None:
+        self._open.clear()
+        await self._idle.wait()
+
+    def open(self) -> None:
+        self._open.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()

@@ -1,0 +1,101 @@
+"""Running environment episodes through the gateway: groups for training, single episodes for eval."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from factory.rollout.gateway import Gateway
+from factory.types import Group, Task
+
+
+@dataclass
+class EvalResult:
+    mean: float
+    stderr: float
+    n: int
+    by_family: dict[str, float]
+
+    def to_dict(self) -> dict:
+        return {"mean": self.mean, "stderr": self.stderr, "n": self.n, "by_family": self.by_family}
+
+
+class EpisodeRunner:
+    """Plays an environment's episodes against a gateway and turns them into Groups."""
+
+    def __init__(self, gateway: Gateway, env, sampling: dict, group_size: int):
+        self.gateway = gateway
+        self.env = env
+        self.sampling = sampling
+        self.group_size = group_size
+        # one connection pool for all episodes: an AsyncOpenAI per episode is then cheap
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10),
+                                      limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        self.stats = {"episodes": 0, "episode_errors": 0, "episode_s": 0.0}
+
+    def client_for(self, session_id: str):
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=self.gateway.base_url(session_id), api_key="factory", http_client=self.http,
+                           max_retries=0)
+
+    async def episode(self, session_id: str, task: Task, sampling: dict | None = None):
+        t0 = time.perf_counter()
+        try:
+            result = await self.env.run_episode(self.client_for(session_id), self.gateway.model_name, task,
+                                                sampling if sampling is not None else self.sampling)
+        except Exception:
+            self.gateway.drop(session_id)
+            self.stats["episode_errors"] += 1
+            raise
+        self.stats["episodes"] += 1
+        self.stats["episode_s"] += time.perf_counter() - t0
+        return result, time.perf_counter() - t0
+
+    async def run_group(self, task: Task, group_id: str) -> Group | None:
+        """G episodes of one task; None if any episode failed (the buffer counts it as failed)."""
+
+        async def one(i: int):
+            sid = f"{group_id}-{i}"
+            result, seconds = await self.episode(sid, task)
+            return self.gateway.finish(
+                sid, sample_id=sid, group_id=group_id, task_id=task.task_id, reward=result.reward,
+                env=self.env.name, info=result.info, timings={"episode_s": seconds},
+            )
+
+        outcomes = await asyncio.gather(*(one(i) for i in range(self.group_size)), return_exceptions=True)
+        samples = [o for o in outcomes if o is not None and not isinstance(o, BaseException)]
+        if len(samples) < self.group_size:
+            return None
+        return Group(group_id=group_id, task=task, samples=samples)
+
+    async def evaluate(self, tasks: list[Task], sampling: dict, concurrency: int = 128, tag: str = "eval") -> EvalResult:
+        """Mean reward of one episode per task (the held-out accuracy) and its standard error."""
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(i: int, task: Task) -> float:
+            async with sem:
+                sid = f"{tag}-{i}"
+                result, _ = await self.episode(sid, task, sampling)
+                self.gateway.drop(sid)
+                return result.reward
+
+        rewards = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
+        return summarize(rewards, [t.family for t in tasks])
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+def summarize(rewards: list[float], families: list[str]) -> EvalResult:
+    n = len(rewards)
+    mean = sum(rewards) / n
+    var = sum((r - mean) ** 2 for r in rewards) / max(1, n - 1)
+    by: dict[str, list[float]] = {}
+    for r, f in zip(rewards, families):
+        by.setdefault(f, []).append(r)
+    return EvalResult(mean, math.sqrt(var / n), n, {f: sum(v) / len(v) for f, v in by.items()})

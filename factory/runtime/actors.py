@@ -1,0 +1,252 @@
+"""Ray actors: thin wrappers that put engines, env workers, the buffer and the trainer in processes.
+
+No RL logic lives here; every method forwards to a plain component.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import ray
+
+from factory.types import Batch, Group, Task
+
+
+def make_engine(kind: str, model_path: str, rollout, log_path: str | None):
+    if kind == "vllm":
+        from pathlib import Path
+
+        from factory.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(model_path, dtype=rollout.dtype, max_model_len=rollout.max_model_len,
+                          kv_cache_gb=rollout.kv_cache_gb, threads=rollout.cpus,
+                          log_path=Path(log_path) if log_path else None, startup_timeout_s=rollout.startup_timeout_s)
+    if kind == "hf":
+        from factory.rollout.hf import HFEngine
+
+        return HFEngine(model_path, threads=rollout.cpus)
+    if kind == "sglang":
+        raise NotImplementedError(
+            "rollout.engine=sglang: the SGLang engine is not built yet (SGLang has no CPU wheel); use vllm or hf"
+        )
+    raise ValueError(f"rollout.engine: unknown engine {kind!r}")
+
+
+@ray.remote(num_cpus=0)
+class EngineActor:
+    def __init__(self, kind: str, model_path: str, rollout, log_path: str | None = None):
+        self.engine = make_engine(kind, model_path, rollout, log_path)
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        return await self.engine.generate(prompt_ids, sampling, request_id)
+
+    async def begin_update(self) -> None:
+        await self.engine.begin_update()
+
+    async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str) -> None:
+        await self.engine.init_broadcast(host, port, rank, world_size, plan_json)
+
+    async def receive_broadcast(self) -> None:
+        await self.engine.receive_broadcast()
+
+    async def load_from_disk(self, path: str) -> None:
+        await self.engine.load_from_disk(path)
+
+    async def end_update(self, version: int) -> None:
+        await self.engine.end_update(version)
+
+    async def metrics(self) -> dict[str, float]:
+        return self.engine.metrics()
+
+    async def url(self) -> str | None:
+        return getattr(self.engine, "url", None)
+
+
+class RemoteEngine:
+    """Lets the gateway await a Ray engine actor as if it were a local engine."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        return await self.actor.generate.remote(prompt_ids, sampling, request_id)
+
+
+@ray.remote(num_cpus=0)
+class BufferActor:
+    """The staleness gate plus the task sampler: hands out admission tickets and batches."""
+
+    def __init__(self, run_id: str, tasks: list[Task], groups_per_step: int, max_staleness: int,
+                 max_inflight: int, filter_zero_variance: bool, seed: int):
+        from factory.buffer import StalenessBuffer
+        from factory.data.tasks import TaskSampler
+
+        self.run_id = run_id
+        self.buffer = StalenessBuffer(groups_per_step, max_staleness, max_inflight, filter_zero_variance)
+        self.sampler = TaskSampler(tasks, seed)
+        self.next_group = 0
+        self.changed = asyncio.Condition()
+        self.stopped = False
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def acquire(self) -> tuple[str, Task] | None:
+        """Wait for capacity; returns (group id, task) or None once stopped."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.stopped or self.buffer.capacity() > 0)
+            if self.stopped:
+                return None
+            self.buffer.start()
+            group_id = f"{self.run_id}-g{self.next_group:07d}"
+            self.next_group += 1
+            return group_id, self.sampler.next()
+
+    async def finish(self, group: Group | None) -> str:
+        status = self.buffer.finish(group)
+        await self._notify()
+        return status
+
+    async def get_batch(self) -> Batch | None:
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.stopped or self.buffer.ready())
+            return None if self.stopped else self.buffer.take_batch()
+
+    async def set_version(self, version: int) -> None:
+        self.buffer.set_version(version)
+        await self._notify()
+
+    async def stop(self) -> None:
+        self.stopped = True
+        await self._notify()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"buffer": self.buffer.state_dict(), "sampler": self.sampler.state_dict(), "next_group": self.next_group}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(state["buffer"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.next_group = state["next_group"]
+
+    def metrics(self) -> dict[str, float]:
+        return self.buffer.metrics()
+
+
+@ray.remote(num_cpus=0)
+class EnvWorkerActor:
+    """Hosts a gateway and runs environment episodes against it, feeding groups to the buffer."""
+
+    def __init__(self, model_path: str, environment, rollout, engines: list, buffer):
+        from transformers import AutoTokenizer
+
+        from factory.envs.base import make_environment
+        from factory.rollout.engine import SamplingParams
+        from factory.rollout.episodes import EpisodeRunner
+        from factory.rollout.gateway import Gateway
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        defaults = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                                  top_p=rollout.top_p, top_k=rollout.top_k)
+        self.gateway = Gateway(tokenizer, [RemoteEngine(e) for e in engines], defaults)
+        self.env = make_environment(environment)
+        sampling = {"temperature": rollout.temperature, "max_tokens": rollout.max_new_tokens}
+        self.runner = EpisodeRunner(self.gateway, self.env, sampling, rollout.group_size)
+        self.buffer = buffer
+        self.producing = False
+        self.tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> int:
+        return await self.gateway.serve()
+
+    async def _group(self, group_id: str, task: Task) -> None:
+        try:
+            group = await self.runner.run_group(task, group_id)
+        except Exception:
+            group = None
+        await self.buffer.finish.remote(group)
+
+    async def produce(self) -> None:
+        """Start groups whenever the buffer admits one, until `stop_producing`."""
+        self.producing = True
+        while self.producing:
+            ticket = await self.buffer.acquire.remote()
+            if ticket is None:
+                break
+            t = asyncio.create_task(self._group(*ticket))
+            self.tasks.add(t)
+            t.add_done_callback(self.tasks.discard)
+
+    async def stop_producing(self) -> None:
+        self.producing = False
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def evaluate(self, tasks: list[Task], temperature: float, max_tokens: int, tag: str) -> dict:
+        result = await self.runner.evaluate(tasks, {"temperature": temperature, "max_tokens": max_tokens}, tag=tag)
+        return result.to_dict()
+
+    async def metrics(self) -> dict[str, float]:
+        m = self.gateway.metrics()
+        m.update({f"env/{k}": float(v) for k, v in self.runner.stats.items()})
+        return m
+
+    async def close(self) -> None:
+        await self.runner.close()
+        await self.gateway.close()
+
+
+@ray.remote(num_cpus=0)
+class TrainerActor:
+    def __init__(self, model_path: str, algorithm, train, rollout):
+        from factory.trainer import Trainer
+
+        self.trainer = Trainer(model_path, algorithm, train, rollout)
+        self.bucket_bytes = rollout.bucket_mb << 20
+        self.broadcaster = None
+        self.plan = None
+
+    def plan_json(self) -> str:
+        from factory.weightsync import BucketPlan
+
+        weights = self.trainer.named_weights()
+        self.plan = BucketPlan.for_state(((k, list(v.shape)) for k, v in weights.items()),
+                                         self.trainer.serving_dtype, self.bucket_bytes)
+        return self.plan.to_json()
+
+    def init_broadcast(self, host: str, port: int, world_size: int) -> None:
+        from factory.weightsync import WeightBroadcaster
+
+        self.broadcaster = WeightBroadcaster(host, port, world_size)
+
+    def broadcast(self) -> int:
+        return self.broadcaster.broadcast(self.plan, self.trainer.named_weights())
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        return self.trainer.train_step(batch)
+
+    def save_hf(self, path: str) -> str:
+        return str(self.trainer.save_hf(path))
+
+    def save_checkpoint(self, path: str, extra: dict) -> str:
+        return str(self.trainer.save_checkpoint(path, extra))
+
+    def load_checkpoint(self, path: str) -> dict:
+        return self.trainer.load_checkpoint(path)
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def busy_seconds(self) -> float:
+        return self.trainer.busy_s
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -1,0 +1,34 @@
+"""A local Ray bound to loopback, or an existing cluster when RAY_ADDRESS is set."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int = 8):
+    """Start (and afterwards stop) Ray for one run; logical CPUs only gate actor placement."""
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    started = False
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, log_to_driver=True)
+        else:
+            ray.init(
+                address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                log_to_driver=True, configure_logging=True, logging_level="WARNING",
+                runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+            )
+        started = True
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
