@@ -20,6 +20,12 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+# Imported at module level on purpose: with postponed annotations FastAPI resolves the `Request`
+# annotation of the endpoint from this module's globals; imported inside app() it would be
+# mistaken for a query parameter and every call would get HTTP 422.
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
 from factory.model.tokens import encode_chat
 from factory.rollout.engine import Generation, SamplingParams
 from factory.types import NOT_SAMPLED, Sample
@@ -179,9 +185,6 @@ class Gateway:
         self.sessions.pop(session_id, None)
 
     def app(self):
-        from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse
-
         app = FastAPI(title="factory gateway")
 
         @app.post("/s/{session_id}/v1/chat/completions")
