@@ -1,0 +1,354 @@
+"""The Docker backend: programs run by `exec` in warm, locked-down containers that are reused.
+
+Each container: image `factory-sandbox-<name>:latest` (built by `factory sandbox build`), no network
+(`network_mode=none` unless `Limits.network`), read-only root, tmpfs /tmp, user 65534, every capability
+dropped, no-new-privileges, memory (no swap), CPU-rate (nano_cpus) and pids limits, docker-init as
+pid 1 reaping orphans. A host temp dir is bind-mounted at /work (the program's files) and /io (stdin
+and captured stdout/stderr; `put_archive` cannot write into a read-only container).
+
+A run takes an idle container with the same limits (or starts one), execs
+`sh -c 'ulimit …; timeout -s KILL <wall> <command> </io/stdin >/io/stdout 2>/io/stderr'` as 65534,
+and reads the result from the host dir. The container goes back to the pool only if nothing of the
+run survived; otherwise, on a timeout the in-container `timeout` missed, or past the CPU budget, it
+is killed and removed (killing the client alone leaves containers running, so every container is
+labelled with its owner: `close()` removes them, and a new DockerSandbox removes those of dead owners).
+
+Memory/pids reasons and the total CPU budget need the container's cgroup to be readable from here
+(a local engine, as in CI); with a remote engine the run reports "killed" instead and only
+RLIMIT_CPU bounds CPU time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from factory.sandbox.base import (
+    SANDBOX_ENV, SANDBOX_UID, WORKDIR, Limits, Program, Result, Sandbox, SandboxUnavailable, decide_reason,
+    fresh_workdir, read_capped, safe_relpath, scratch_root, write_files,
+)
+from factory.sandbox.cgroups import Cgroup
+
+LABEL = "factory.sandbox"
+IO_DIR = "/io"
+_POLL_S = 0.05
+_GRACE_S = 1.0  # past wall_s before the host gives up on the in-container `timeout` and kills the container
+_OVERHEAD_PIDS = 4  # docker-init, sleep, sh, timeout
+
+
+def _engine_unavailable(err: Exception) -> SandboxUnavailable:
+    return SandboxUnavailable(f"no Docker engine answers ({type(err).__name__}): apt-get install -y docker.io "
+                              f"and start dockerd (.ci/sandbox-setup.sh does both), or use backend 'bubblewrap'")
+
+
+def docker_client(timeout: float = 600, ping_timeout: float = 3.0):
+    """A docker SDK client whose engine answered a ping within `ping_timeout` s, else SandboxUnavailable."""
+    try:
+        import docker
+    except ImportError:
+        raise SandboxUnavailable("python package docker not installed: pip install 'docker==7.2.*'") from None
+    try:
+        docker.from_env(timeout=ping_timeout).ping()
+        return docker.from_env(timeout=timeout, max_pool_size=64)
+    except Exception as err:  # DockerException, connection errors, timeouts: all mean "no engine"
+        raise _engine_unavailable(err) from None
+
+
+def _proc_start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (FileNotFoundError, IndexError):
+        return None
+
+
+@dataclass
+class _Worker:
+    """One warm container and its host directory."""
+
+    container: object
+    host: Path
+    key: tuple
+    cgroup: Cgroup | None
+    runs: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.container.id
+
+
+class DockerSandbox(Sandbox):
+    """Runs programs in a pool of warm containers (see the module docstring)."""
+
+    name = "docker"
+
+    def __init__(self, image: str = "python", default_limits: Limits | None = None, max_idle: int = 16,
+                 client=None) -> None:
+        super().__init__(default_limits)
+        from factory.sandbox.images import docker_tag
+
+        self.client = client or docker_client()
+        self.tag = image if ":" in image else docker_tag(image)
+        import docker.errors
+
+        try:
+            self.client.images.get(self.tag)
+        except docker.errors.ImageNotFound:
+            name = self.tag.removeprefix("factory-sandbox-").removesuffix(":latest")
+            raise SandboxUnavailable(f"sandbox image {self.tag} not found: run `factory sandbox build {name}` "
+                                     f"(or .ci/sandbox-setup.sh)") from None
+        self.max_idle = max_idle
+        self.owner = f"{os.getpid()}:{_proc_start_time(os.getpid())}"
+        self.labels = {LABEL: "1", f"{LABEL}.host": socket.gethostname(), f"{LABEL}.owner": self.owner}
+        self._scratch = scratch_root()
+        self._lock = threading.Lock()
+        self._idle: dict[tuple, list[_Worker]] = {}
+        self._live: dict[str, _Worker] = {}
+        self._pending: set[Future] = set()
+        self._targets: dict[tuple, int] = {}
+        self._closed = False
+        self._threads = ThreadPoolExecutor(max_workers=64, thread_name_prefix="docker-sandbox")
+        self.reap_orphans()
+
+    # -- containers ------------------------------------------------------------------------------
+    def reap_orphans(self) -> int:
+        """Remove sandbox containers of this host whose owning process is gone; returns how many."""
+        removed = 0
+        for container in self.client.containers.list(all=True, filters={"label": [f"{LABEL}.host={socket.gethostname()}"]}):
+            owner = container.labels.get(f"{LABEL}.owner", "")
+            pid, _, started = owner.partition(":")
+            if pid.isdigit() and _proc_start_time(int(pid)) == started and started != "None":
+                continue
+            container.remove(force=True)
+            removed += 1
+        return removed
+
+    def _key(self, limits: Limits) -> tuple:
+        return (limits.memory_mb, limits.pids, limits.cpus, limits.network)
+
+    def _start_worker(self, key: tuple) -> _Worker:
+        """Create and start one container for limits `key` (blocking: ~0.3 s)."""
+        memory_mb, pids, cpus, network = key
+        host = self._scratch / f"c-{uuid.uuid4().hex[:12]}"
+        host.mkdir(mode=0o711)
+        fresh_workdir(host / "work")
+        (host / "io").mkdir(mode=0o755)  # root-owned: the program can write its outputs but not swap them for links
+        container = self.client.containers.run(
+            self.tag, ["sleep", "infinity"], detach=True, init=True, labels=self.labels, hostname="sandbox",
+            network_mode="bridge" if network else "none", read_only=True, user=f"{SANDBOX_UID}:{SANDBOX_UID}",
+            cap_drop=["ALL"], security_opt=["no-new-privileges"], ipc_mode="private",
+            mem_limit=f"{memory_mb}m", memswap_limit=f"{memory_mb}m", nano_cpus=int(cpus * 1e9),
+            pids_limit=pids + _OVERHEAD_PIDS, tmpfs={"/tmp": f"size={memory_mb}m,mode=1777"},
+            volumes={str(host / "work"): {"bind": WORKDIR, "mode": "rw"}, str(host / "io"): {"bind": IO_DIR, "mode": "rw"}},
+            working_dir=WORKDIR, environment=SANDBOX_ENV,
+        )
+        container.reload()
+        worker = _Worker(container, host, key, Cgroup.of_pid(container.attrs["State"]["Pid"]))
+        with self._lock:
+            self._live[worker.id] = worker
+            closed = self._closed
+        if closed:  # close() ran while this container was starting
+            self._discard(worker)
+            raise SandboxUnavailable("docker sandbox closed")
+        return worker
+
+    def _discard(self, worker: _Worker) -> None:
+        """Kill and remove a container and its host dir (blocking)."""
+        import docker.errors
+
+        try:
+            worker.container.remove(force=True)
+        except docker.errors.NotFound:
+            pass
+        with self._lock:
+            self._live.pop(worker.id, None)
+        shutil.rmtree(worker.host, ignore_errors=True)
+
+    def _submit(self, fn, *args) -> Future:
+        future = self._threads.submit(fn, *args)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(lambda f: self._pending.discard(f))
+        return future
+
+    async def _acquire(self, key: tuple) -> _Worker:
+        with self._lock:
+            if self._closed:
+                raise SandboxUnavailable("docker sandbox closed")
+            idle = self._idle.get(key)
+            if idle:
+                return idle.pop()
+        return await asyncio.wrap_future(self._submit(self._start_worker, key))
+
+    def _release(self, worker: _Worker, reusable: bool) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(worker.key, [])
+            keep = reusable and not self._closed and sum(map(len, self._idle.values())) < self.max_idle
+            if keep:
+                idle.append(worker)
+            short = self._targets.get(worker.key, 0) - len(idle)
+        if not keep:
+            self._submit(self._discard, worker)
+        if not reusable and short > 0 and not self._closed:
+            self._submit(self._replenish, worker.key)
+
+    def _replenish(self, key: tuple) -> None:
+        worker = self._start_worker(key)
+        self._release(worker, reusable=True)
+
+    async def warm(self, count: int, limits: Limits | None = None) -> None:
+        """Start containers until `count` idle ones with these limits exist; keep that many after discards."""
+        key = self._key(limits or self.default_limits)
+        with self._lock:
+            self._targets[key] = max(self._targets.get(key, 0), count)
+            missing = count - len(self._idle.get(key, []))
+        futures = [asyncio.wrap_future(self._submit(self._start_worker, key)) for _ in range(max(0, missing))]
+        for worker in await asyncio.gather(*futures):
+            self._release(worker, reusable=True)
+
+    # -- runs ------------------------------------------------------------------------------------
+    def _script(self, limits: Limits) -> str:
+        rlimits = [f"-f {math.ceil((limits.output_bytes + 1) / 512)}", "-c 0"]
+        if limits.cpu_s is not None:
+            rlimits.append(f"-t {math.ceil(limits.cpu_s)}")
+        # `exec`: no shell left to print "Killed" into the program's stderr; exec_start still waits for exit
+        return ("rm -rf /tmp/* /tmp/.[!.]* 2>/dev/null; "
+                + "".join(f"ulimit {flag} || exit 125; " for flag in rlimits)
+                + f'exec timeout -s KILL {limits.wall_s:g} "$@" <{IO_DIR}/stdin >{IO_DIR}/stdout 2>{IO_DIR}/stderr')
+
+    def _prepare(self, worker: _Worker, program: Program) -> None:
+        write_files(worker.host / "work", program.files)
+        io = worker.host / "io"
+        for name in ("stdin", "stdout", "stderr"):
+            (io / name).unlink(missing_ok=True)
+            fd = os.open(io / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644 if name == "stdin" else 0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write((program.stdin or b"") if name == "stdin" else b"")
+            if name != "stdin":
+                os.chown(io / name, SANDBOX_UID, SANDBOX_UID)
+
+    def _exec(self, worker: _Worker, program: Program, limits: Limits) -> tuple[int | None, bytes]:
+        """Run the program by exec; returns its exit code and what the wrapper itself printed."""
+        api = self.client.api
+        exec_id = api.exec_create(worker.id, ["/bin/sh", "-c", self._script(limits), "sh", *program.command],
+                                  user=f"{SANDBOX_UID}:{SANDBOX_UID}", workdir=WORKDIR,
+                                  environment=program.env or None)["Id"]
+        output = api.exec_start(exec_id) or b""
+        return api.exec_inspect(exec_id).get("ExitCode"), output
+
+    def _clean(self, worker: _Worker) -> bool:
+        """True if exactly docker-init and the keeper are left in the container (the run left nothing)."""
+        for attempt in range(4):
+            if worker.cgroup is not None:
+                count = len(worker.cgroup.procs())
+            else:
+                try:
+                    count = len(self.client.api.top(worker.id).get("Processes") or [])
+                except Exception:
+                    return False
+            if count == 2:
+                return True
+            time.sleep(0.005)  # the run's last processes may still be on their way out
+        return False
+
+    async def run(self, program: Program, limits: Limits | None = None) -> Result:
+        limits = limits or self.default_limits
+        for name in program.files:
+            safe_relpath(name)  # refuse before a container is taken
+        worker = await self._acquire(self._key(limits))
+        loop = asyncio.get_running_loop()
+        reusable = False
+        try:
+            await loop.run_in_executor(self._threads, self._prepare, worker, program)
+            group = worker.cgroup
+            cpu0, oom0, pids0 = (group.cpu_seconds(), group.oom_kills(), group.pids_hits()) if group else (None, 0, 0)
+            started = time.monotonic()
+            done = asyncio.wrap_future(self._threads.submit(self._exec, worker, program, limits))
+            timed_out = cpu_exceeded = killed_container = False
+            deadline = started + limits.wall_s + _GRACE_S
+            watch_cpu = limits.cpu_s is not None and group is not None and cpu0 is not None
+            while not done.done():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    timed_out = True
+                    break
+                await asyncio.wait([done], timeout=min(remaining, _POLL_S) if watch_cpu else remaining)
+                if watch_cpu and not done.done() and (group.cpu_seconds() or 0) - cpu0 >= limits.cpu_s:
+                    cpu_exceeded = True
+                    break
+            if not done.done():
+                killed_container = True
+                await loop.run_in_executor(self._threads, _kill, worker.container)
+            try:
+                exit_code, wrapper_out = await done
+            except Exception:
+                if not killed_container:
+                    raise
+                exit_code, wrapper_out = None, b""
+            wall = time.monotonic() - started
+            if exit_code == 125 and b"ulimit" in wrapper_out:
+                raise SandboxUnavailable(f"docker sandbox wrapper failed: {wrapper_out.decode(errors='replace')[:300]}")
+            cpu = None
+            if group is not None and cpu0 is not None and not killed_container:
+                cpu = (group.cpu_seconds() or cpu0) - cpu0
+            oom = (group.oom_kills() - oom0) if group and not killed_container else 0
+            pids_hit = (group.pids_hits() - pids0) if group and not killed_container else 0
+            if exit_code == 137 and wall >= limits.wall_s and not oom:
+                timed_out = True  # the in-container `timeout -s KILL` fired
+            if limits.cpu_s is not None and (exit_code == 128 + 24 or (cpu or 0) >= limits.cpu_s):
+                cpu_exceeded = True  # 24 = SIGXCPU: RLIMIT_CPU fired
+            io = worker.host / "io"
+            stdout, cut_out = read_capped(io / "stdout", limits.output_bytes)
+            stderr, cut_err = read_capped(io / "stderr", limits.output_bytes)
+            reusable = not killed_container and await loop.run_in_executor(self._threads, self._clean, worker)
+            reason = decide_reason(exit_code=exit_code, oom_kills=oom, pids_hits=pids_hit, timed_out=timed_out,
+                                   cpu_exceeded=cpu_exceeded, truncated=cut_out or cut_err)
+            return Result(exit_code=exit_code, stdout=stdout, stderr=stderr, reason=reason, wall_s=wall, cpu_s=cpu,
+                          truncated=cut_out or cut_err, backend=self.name)
+        finally:
+            if reusable:
+                fresh_workdir(worker.host / "work")
+                worker.runs += 1
+            self._release(worker, reusable)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def containers(self) -> list:
+        """This sandbox's containers as the engine lists them (running or not)."""
+        return self.client.containers.list(all=True, filters={"label": [f"{LABEL}.owner={self.owner}"]})
+
+    def close(self) -> None:
+        """Kill and remove every container this sandbox started, including ones still starting."""
+        with self._lock:
+            self._closed = True
+            pending = list(self._pending)
+            self._idle.clear()
+        for future in pending:
+            try:
+                future.result(timeout=60)
+            except Exception:
+                pass
+        with self._lock:
+            workers = list(self._live.values())
+        for worker in workers:
+            self._discard(worker)
+        for container in self.containers():  # anything a crashed call left unrecorded
+            container.remove(force=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def _kill(container) -> None:
+    import docker.errors
+
+    try:
+        container.kill()
+    except docker.errors.APIError:
+        pass
