@@ -170,6 +170,10 @@ def scratch_root() -> Path:
     """A new host directory for one sandbox's work dirs: memory-backed /dev/shm when there (fast, and
     charged to the writing sandbox's memory cgroup), else the temp dir."""
     base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
+    for stale in base.glob("factory-sandbox-*-*"):  # left by a process that was killed
+        pid = stale.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
     root = base / f"factory-sandbox-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     root.mkdir(mode=0o711)
     return root

@@ -320,6 +320,26 @@ class DockerSandbox(Sandbox):
             self._release(worker, reusable)
 
     # -- lifecycle -------------------------------------------------------------------------------
+    def settle(self, timeout_s: float = 30.0) -> None:
+        """Wait for background container work (discards, replacements) to finish."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                pending = list(self._pending)
+            if not pending:
+                return
+            for future in pending:
+                try:
+                    future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except Exception:
+                    pass
+            if time.monotonic() > deadline:
+                return
+
+    def idle_workers(self) -> list[_Worker]:
+        with self._lock:
+            return [w for idle in self._idle.values() for w in idle]
+
     def containers(self) -> list:
         """This sandbox's containers as the engine lists them (running or not)."""
         return self.client.containers.list(all=True, filters={"label": [f"{LABEL}.owner={self.owner}"]})
