@@ -1,0 +1,74 @@
+"""Open the lake's Iceberg catalog and make sure its tables exist.
+
+Default (embedded): a PyIceberg SqlCatalog on SQLite at `<state>/lake/catalog.db` with the
+warehouse at `file://<state>/lake/warehouse`. Production: any PyIceberg catalog, given as
+properties, e.g. `{"type": "rest", "uri": "http://…", "warehouse": "s3://…"}`.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.exceptions import NoSuchTableError, TableAlreadyExistsError
+from pyiceberg.table import Table
+
+from factory.lake.schemas import NAMESPACE, TABLES
+from factory.paths import state_dir
+
+CATALOG_NAME = "factory"
+
+
+def default_catalog_props() -> dict[str, str]:
+    """The embedded SQLite catalog under the state dir ($FACTORY_HOME overrides the state dir)."""
+    lake = state_dir() / "lake"
+    (lake / "warehouse").mkdir(parents=True, exist_ok=True)
+    return {"type": "sql", "uri": f"sqlite:///{lake / 'catalog.db'}", "warehouse": (lake / "warehouse").as_uri()}
+
+
+def open_catalog(props: dict[str, Any] | None = None, namespace: str | None = NAMESPACE) -> Catalog:
+    """Open a catalog and, unless `namespace` is None, create the namespace and tables if missing.
+
+    `props` without a `type`/`uri` are layered over the embedded SQLite defaults (so
+    `{"warehouse": ...}` alone moves only the warehouse); with one they are used as given.
+    """
+    props = dict(props or {})
+    if "type" not in props and "uri" not in props:
+        props = {**default_catalog_props(), **props}
+    props = {k: str(v) for k, v in props.items()}
+    if props.get("uri", "").startswith("sqlite:///"):
+        _use_wal(Path(props["uri"].removeprefix("sqlite:///")))
+    catalog = load_catalog(props.pop("name", CATALOG_NAME), **props)
+    if namespace is not None:
+        ensure_tables(catalog, namespace)
+    return catalog
+
+
+def ensure_tables(catalog: Catalog, namespace: str = NAMESPACE) -> dict[str, Table]:
+    """Create `namespace` and every table of `schemas.TABLES` in it if absent; return the tables."""
+    catalog.create_namespace_if_not_exists(namespace)
+    tables = {}
+    for name, spec in TABLES.items():
+        identifier = (namespace, name)
+        try:
+            tables[name] = catalog.load_table(identifier)
+        except NoSuchTableError:
+            try:
+                tables[name] = catalog.create_table(identifier, schema=spec.schema,
+                                                    partition_spec=spec.partition_spec,
+                                                    properties=spec.properties)
+            except TableAlreadyExistsError:  # another process created it between our two calls
+                tables[name] = catalog.load_table(identifier)
+    return tables
+
+
+def _use_wal(db: Path) -> None:
+    # WAL lets readers (queries, other writers' refreshes) proceed while one writer commits.
+    db.parent.mkdir(parents=True, exist_ok=True)
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        con.execute("PRAGMA journal_mode=WAL")
+    finally:
+        con.close()

@@ -1,0 +1,148 @@
+"""The lake's tables in one place: Iceberg schema, partitioning, row key and resume position of each.
+
+| table        | one row per                          | key                     | partitioned by |
+|--------------|--------------------------------------|-------------------------|----------------|
+| tasks        | task a run can draw                  | task_id                 | —              |
+| samples      | trajectory the trainer consumed      | run_id, sample_id       | run_id         |
+| steps        | optimizer step (its metrics)         | run_id, step            | run_id         |
+| evaluations  | (checkpoint, suite) evaluation       | run_id, step, suite     | run_id         |
+| checkpoints  | saved checkpoint                     | run_id, step            | run_id         |
+
+Token-level columns of `samples` (`completion_ids`, `logprobs`, `versions`, `loss_mask`) are
+aligned: element i of each describes completion token i (see `factory.types.Sample`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+from pyiceberg.partitioning import PartitionField, PartitionSpec
+from pyiceberg.schema import Schema
+from pyiceberg.transforms import IdentityTransform
+from pyiceberg.types import (
+    DoubleType,
+    FloatType,
+    IcebergType,
+    IntegerType,
+    ListType,
+    MapType,
+    NestedField,
+    PrimitiveType,
+    StringType,
+    TimestamptzType,
+)
+
+NAMESPACE = "factory"
+
+# (name, type, required); a type is a primitive, ("list", element) or ("map", key, value).
+_Column = tuple[str, Any, bool]
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """Everything the writer, the queries and the checks need to know about one table."""
+
+    name: str
+    schema: Schema
+    partition_spec: PartitionSpec
+    key: tuple[str, ...]  # columns that identify a row: the writer commits each key once
+    position: str | None = None  # column whose max is "how far this run got" (resume point)
+    json_columns: tuple[str, ...] = ()  # string columns holding JSON (dicts are dumped on write)
+    now_columns: tuple[str, ...] = ()  # timestamp columns the writer fills with the commit time
+    properties: dict[str, str] = field(default_factory=dict)
+
+    def arrow_schema(self) -> pa.Schema:
+        return self.schema.as_arrow()
+
+    @property
+    def run_scoped(self) -> bool:
+        return "run_id" in self.key
+
+
+def _typed(spec: Any, ids: itertools.count) -> IcebergType:
+    """Turn a column type spec into an Iceberg type, numbering nested fields from `ids`."""
+    if isinstance(spec, PrimitiveType):
+        return spec
+    kind, *args = spec
+    if kind == "list":
+        return ListType(element_id=next(ids), element_type=_typed(args[0], ids), element_required=False)
+    if kind == "map":
+        key_id, value_id = next(ids), next(ids)
+        return MapType(key_id=key_id, key_type=_typed(args[0], ids), value_id=value_id,
+                       value_type=_typed(args[1], ids), value_required=False)
+    raise ValueError(f"unknown column type {spec!r}")
+
+
+def _schema(columns: list[_Column]) -> Schema:
+    # top-level columns get ids 1..n so partition specs can name them by position; nested after
+    top = itertools.count(1)
+    nested = itertools.count(len(columns) + 1)
+    return Schema(*[NestedField(next(top), name, _typed(typ, nested), required=required)
+                    for name, typ, required in columns])
+
+
+def _by_run(schema: Schema) -> PartitionSpec:
+    """One partition per run: `identity(run_id)`."""
+    source = schema.find_field("run_id").field_id
+    return PartitionSpec(PartitionField(source_id=source, field_id=1000, transform=IdentityTransform(),
+                                        name="run_id"))
+
+
+# Old metadata.json files are deleted on commit; otherwise every commit leaves one behind forever.
+_TABLE_PROPERTIES = {
+    "write.metadata.delete-after-commit.enabled": "true",
+    "write.metadata.previous-versions-max": "20",
+}
+
+_S, _I, _D, _F, _T = StringType(), IntegerType(), DoubleType(), FloatType(), TimestamptzType()
+
+_TASKS = _schema([
+    ("task_id", _S, True), ("family", _S, False), ("question", _S, False), ("answer", _S, False),
+    ("split", _S, False),
+])
+_SAMPLES = _schema([
+    ("run_id", _S, True), ("sample_id", _S, True), ("group_id", _S, False), ("task_id", _S, False),
+    ("prompt_ids", ("list", _I), False), ("completion_ids", ("list", _I), False),
+    ("logprobs", ("list", _F), False), ("versions", ("list", _I), False),
+    ("loss_mask", ("list", _I), False), ("reward", _D, False), ("turns", _I, False),
+    ("env", _S, False), ("finish_reason", _S, False), ("timings", _S, False), ("info", _S, False),
+    ("trained_step", _I, False), ("trained_version", _I, False), ("staleness", _I, False),
+    ("written_at", _T, False),
+])
+_STEPS = _schema([
+    ("run_id", _S, True), ("step", _I, True), ("metrics", ("map", _S, _D), False), ("time", _T, False),
+])
+_EVALUATIONS = _schema([
+    ("run_id", _S, True), ("step", _I, True), ("version", _I, False), ("suite", _S, True),
+    ("n", _I, False), ("mean", _D, False), ("stderr", _D, False), ("by_family", _S, False),
+    ("time", _T, False),
+])
+_CHECKPOINTS = _schema([
+    ("run_id", _S, True), ("step", _I, True), ("version", _I, False), ("path", _S, False),
+    ("time", _T, False),
+])
+
+TABLES: dict[str, TableSpec] = {
+    "tasks": TableSpec("tasks", _TASKS, PartitionSpec(), key=("task_id",), properties=_TABLE_PROPERTIES),
+    "samples": TableSpec("samples", _SAMPLES, _by_run(_SAMPLES), key=("run_id", "sample_id"),
+                         position="trained_step", json_columns=("timings", "info"),
+                         now_columns=("written_at",), properties=_TABLE_PROPERTIES),
+    "steps": TableSpec("steps", _STEPS, _by_run(_STEPS), key=("run_id", "step"), position="step",
+                       now_columns=("time",), properties=_TABLE_PROPERTIES),
+    "evaluations": TableSpec("evaluations", _EVALUATIONS, _by_run(_EVALUATIONS),
+                             key=("run_id", "step", "suite"), position="step",
+                             json_columns=("by_family",), now_columns=("time",),
+                             properties=_TABLE_PROPERTIES),
+    "checkpoints": TableSpec("checkpoints", _CHECKPOINTS, _by_run(_CHECKPOINTS), key=("run_id", "step"),
+                             position="step", now_columns=("time",), properties=_TABLE_PROPERTIES),
+}
+
+
+def table_spec(name: str) -> TableSpec:
+    try:
+        return TABLES[name]
+    except KeyError:
+        raise ValueError(f"unknown lake table {name!r}; known: {', '.join(TABLES)}") from None

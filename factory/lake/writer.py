@@ -1,0 +1,354 @@
+"""TrajectoryWriter: stream rows into the lake's Iceberg tables, each key committed exactly once.
+
+Rows are validated against the table's Arrow schema when appended (errors reach the caller), then
+batched; a background thread commits a table's batch when it holds `batch_rows` rows or its oldest
+row is `flush_interval_s` old. Each commit is one Iceberg append whose snapshot summary carries
+`factory.batch` (an idempotency key) and `factory.position.<run_id>` (the highest position column
+value — `trained_step` for samples, `step` otherwise — in the batch).
+
+Exactly once across restarts: row keys are deterministic (`schemas.TableSpec.key`, e.g.
+(run_id, sample_id)); the first time a writer sees a run in a table it reads that run's committed
+keys back and from then on drops any row whose key is committed or pending. A crashed writer loses
+only its uncommitted rows, which the restarted run re-sends.
+
+Commits that conflict with another writer are retried by reloading the table, with backoff, up to
+`max_retries` times beyond PyIceberg's own retries; an error with unknown outcome is retried only
+after checking (by `factory.batch`) that the batch did not land.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import defaultdict
+from datetime import datetime, timezone
+from typing import Any, Iterable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.expressions import AlwaysTrue, EqualTo
+from pyiceberg.table import Table
+from sqlalchemy.exc import OperationalError
+
+from factory.lake.catalog import open_catalog
+from factory.lake.maintenance import backoff_s, expire_snapshots
+from factory.lake.schemas import NAMESPACE, TableSpec, table_spec
+from factory.types import Batch
+
+log = logging.getLogger(__name__)
+
+BATCH_PROPERTY = "factory.batch"
+WRITER_PROPERTY = "factory.writer"
+POSITION_PROPERTY = "factory.position."  # + run_id
+
+# Failures after which the commit may or may not have landed: check before re-sending.
+_UNKNOWN_OUTCOME = (OperationalError, OSError, TimeoutError)
+
+
+class LakeWriteError(RuntimeError):
+    """A batch could not be committed after all retries (its rows stay pending)."""
+
+
+class TrajectoryWriter:
+    """Batching, retrying, exactly-once stream writer for the lake tables.
+
+    Usage: `w = TrajectoryWriter(run_id=...)`; `w.append("samples", rows)` any number of times;
+    `w.flush()` to wait for everything appended so far to be committed; `w.close()` at the end.
+    """
+
+    def __init__(self, catalog: Catalog | None = None, namespace: str = NAMESPACE, run_id: str | None = None,
+                 *, batch_rows: int = 64, flush_interval_s: float = 2.0, expire_every: int = 50,
+                 keep_snapshots: int = 5, max_retries: int = 30) -> None:
+        self.catalog = catalog if catalog is not None else open_catalog(namespace=namespace)
+        self.namespace = namespace
+        self.run_id = run_id
+        self.batch_rows = batch_rows
+        self.flush_interval_s = flush_interval_s
+        self.expire_every = expire_every  # 0 disables expiry
+        self.keep_snapshots = keep_snapshots
+        self.max_retries = max_retries
+        self.writer_id = uuid.uuid4().hex
+
+        self._lock = threading.Condition()
+        self._pending: dict[str, list[pa.Table]] = defaultdict(list)
+        self._pending_rows: dict[str, int] = defaultdict(int)
+        self._pending_since: dict[str, float] = {}
+        self._keys: dict[tuple[str, str | None], set[tuple]] = {}  # (table, run) → committed or pending keys
+        self._tables: dict[str, Table] = {}  # used by the commit thread only
+        self._force = False
+        self._busy = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._stats = {"commits": 0, "rows": 0, "commit_s": 0.0, "retries": 0, "skipped": 0, "expired": 0}
+
+        self._thread = threading.Thread(target=self._run, name="lake-writer", daemon=True)
+        self._thread.start()
+
+    # ---- caller side ------------------------------------------------------------------------
+
+    def append(self, table_name: str, rows: Iterable[dict[str, Any]]) -> int:
+        """Queue rows for `table_name`; return how many were new (rows with a known key are dropped)."""
+        spec = table_spec(table_name)
+        self._raise_pending_error()
+        if self._closed:
+            raise RuntimeError("TrajectoryWriter is closed")
+        fresh = []
+        with self._lock:
+            for row in rows:
+                row = self._normalize(spec, row)
+                key = tuple(row[c] for c in spec.key)
+                seen = self._seen(spec, row.get("run_id"))
+                if key in seen:
+                    self._stats["skipped"] += 1
+                    continue
+                seen.add(key)
+                fresh.append(row)
+            if not fresh:
+                return 0
+            try:
+                data = pa.Table.from_pylist(fresh, schema=spec.arrow_schema())
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
+                for row in fresh:  # nothing was queued: forget the keys again
+                    self._seen(spec, row.get("run_id")).discard(tuple(row[c] for c in spec.key))
+                raise ValueError(f"lake table {table_name!r}: rows do not match its schema: {e}") from None
+            self._pending[table_name].append(data)
+            self._pending_rows[table_name] += data.num_rows
+            self._pending_since.setdefault(table_name, time.monotonic())
+            if self._pending_rows[table_name] >= self.batch_rows:
+                self._lock.notify_all()
+        return len(fresh)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Block until every row appended so far is committed (or raise LakeWriteError)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            self._force = True
+            self._lock.notify_all()
+            while (self._pending_rows and any(self._pending_rows.values())) or self._busy:
+                if self._error is not None:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"lake flush did not finish in {timeout_s} s")
+                self._lock.wait(timeout=remaining if remaining is not None else 1.0)
+            self._force = False
+        self._raise_pending_error()
+
+    def close(self) -> None:
+        """Commit what is pending, then stop the commit thread."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            with self._lock:
+                self._closed = True
+                self._lock.notify_all()
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> TrajectoryWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def position(self, table_name: str, run_id: str | None = None) -> int | None:
+        """How far `run_id` got in `table_name`: the max committed position value (e.g. trained_step).
+
+        Read from the newest snapshot summary that records it; after expiry removed those, from
+        the data.
+        """
+        spec = table_spec(table_name)
+        run_id = run_id or self.run_id
+        if spec.position is None or run_id is None:
+            return None
+        table = self.catalog.load_table((self.namespace, table_name))
+        for snapshot in sorted(table.metadata.snapshots, key=lambda s: s.timestamp_ms, reverse=True):
+            value = snapshot.summary.additional_properties.get(POSITION_PROPERTY + run_id) if snapshot.summary else None
+            if value is not None:
+                return int(value)
+        if table.current_snapshot() is None:
+            return None
+        data = table.scan(row_filter=EqualTo("run_id", run_id), selected_fields=(spec.position,)).to_arrow()
+        return None if data.num_rows == 0 else pc.max(data[spec.position]).as_py()
+
+    def metrics(self) -> dict[str, float]:
+        """Stable names: lake/commits, lake/rows, lake/commit_s_mean, lake/retries, … ."""
+        with self._lock:
+            s = dict(self._stats)
+            pending = sum(self._pending_rows.values())
+        return {"lake/commits": float(s["commits"]), "lake/rows": float(s["rows"]),
+                "lake/commit_s_mean": s["commit_s"] / s["commits"] if s["commits"] else 0.0,
+                "lake/retries": float(s["retries"]), "lake/skipped_rows": float(s["skipped"]),
+                "lake/pending_rows": float(pending), "lake/snapshots_expired": float(s["expired"])}
+
+    def _normalize(self, spec: TableSpec, row: dict[str, Any]) -> dict[str, Any]:
+        row = dict(row)
+        unknown = set(row) - set(spec.arrow_schema().names)
+        if unknown:
+            raise ValueError(f"lake table {spec.name!r} has no column(s) {sorted(unknown)}")
+        if spec.run_scoped and row.get("run_id") is None:
+            if self.run_id is None:
+                raise ValueError(f"lake table {spec.name!r}: row has no run_id and the writer has none")
+            row["run_id"] = self.run_id
+        for column in spec.key:
+            if row.get(column) is None:
+                raise ValueError(f"lake table {spec.name!r}: row is missing key column {column!r}")
+        for column in spec.json_columns:
+            value = row.get(column)
+            if value is not None and not isinstance(value, str):
+                row[column] = json.dumps(value, sort_keys=True, default=str)
+        for column in spec.now_columns:
+            if row.get(column) is None:
+                row[column] = datetime.now(timezone.utc)
+        return row
+
+    def _seen(self, spec: TableSpec, run_id: str | None) -> set[tuple]:
+        """Keys of `run_id` in this table that are committed or pending (read back on first use)."""
+        slot = (spec.name, run_id if spec.run_scoped else None)
+        if slot not in self._keys:
+            self._keys[slot] = committed_keys(self.catalog.load_table((self.namespace, spec.name)), spec,
+                                              run_id if spec.run_scoped else None)
+        return self._keys[slot]
+
+    def _raise_pending_error(self) -> None:
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise LakeWriteError(f"lake commit failed: {error}") from error
+
+    # ---- commit thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                name = self._next_due()
+                while name is None and not self._closed:
+                    self._lock.wait(timeout=self._wait_s())
+                    name = self._next_due()
+                if name is None:  # closed and nothing due
+                    return
+                parts = self._pending.pop(name)
+                self._pending_rows.pop(name)
+                self._pending_since.pop(name, None)
+                self._busy = True
+            data = pa.concat_tables(parts)
+            try:
+                self._commit(name, data)
+            except BaseException as e:  # keep the rows for the next flush; tell the caller
+                log.warning("lake commit to %s failed: %s", name, e)
+                with self._lock:
+                    self._pending[name][:0] = [data]
+                    self._pending_rows[name] += data.num_rows
+                    self._pending_since.setdefault(name, time.monotonic())
+                    self._error = e
+                    self._busy = False
+                    self._lock.notify_all()
+                    if self._closed:
+                        return
+                    self._lock.wait(timeout=self.flush_interval_s)  # don't spin on a broken catalog
+                continue
+            with self._lock:
+                self._busy = False
+                self._lock.notify_all()
+
+    def _next_due(self) -> str | None:
+        now = time.monotonic()
+        for name, n in self._pending_rows.items():
+            if n and (self._force or self._closed or n >= self.batch_rows
+                      or now - self._pending_since[name] >= self.flush_interval_s):
+                return name
+        return None
+
+    def _wait_s(self) -> float:
+        if not self._pending_since:
+            return self.flush_interval_s
+        oldest = min(self._pending_since.values())
+        return max(0.01, self.flush_interval_s - (time.monotonic() - oldest))
+
+    def _table(self, name: str, reload: bool = False) -> Table:
+        if reload or name not in self._tables:
+            self._tables[name] = self.catalog.load_table((self.namespace, name))
+        return self._tables[name]
+
+    def _commit(self, name: str, data: pa.Table) -> None:
+        spec = table_spec(name)
+        batch = uuid.uuid4().hex
+        properties = {BATCH_PROPERTY: batch, WRITER_PROPERTY: self.writer_id}
+        if spec.position is not None and spec.run_scoped:
+            for run_id, position in _max_position_per_run(data, spec.position).items():
+                properties[POSITION_PROPERTY + run_id] = str(position)
+        table = self._table(name)
+        started = time.perf_counter()
+        for attempt in range(self.max_retries + 1):
+            try:
+                table.append(data, snapshot_properties=properties)
+                break
+            except (CommitFailedException, *_UNKNOWN_OUTCOME) as e:
+                if attempt == self.max_retries:
+                    raise
+                with self._lock:
+                    self._stats["retries"] += 1
+                time.sleep(backoff_s(attempt))
+                table = self._table(name, reload=True)
+                if isinstance(e, _UNKNOWN_OUTCOME) and _landed(table, batch):
+                    break
+        elapsed = time.perf_counter() - started
+        with self._lock:
+            self._stats["commits"] += 1
+            self._stats["rows"] += data.num_rows
+            self._stats["commit_s"] += elapsed
+            commits = self._stats["commits"]
+        if self.expire_every and commits % self.expire_every == 0:
+            try:  # best effort: a conflict only means we expire next time
+                expired = expire_snapshots(table, keep_last=self.keep_snapshots)
+                with self._lock:
+                    self._stats["expired"] += expired
+            except Exception as e:  # noqa: BLE001
+                log.info("snapshot expiry on %s skipped: %s", name, e)
+
+
+def committed_keys(table: Table, spec: TableSpec, run_id: str | None) -> set[tuple]:
+    """The key tuples already in `table` (only `run_id`'s partition for run-scoped tables)."""
+    if table.current_snapshot() is None:
+        return set()
+    row_filter = EqualTo("run_id", run_id) if run_id is not None else AlwaysTrue()
+    data = table.scan(row_filter=row_filter, selected_fields=spec.key).to_arrow()
+    columns = [data[c].to_pylist() for c in spec.key]
+    return set(zip(*columns))
+
+
+def _landed(table: Table, batch: str) -> bool:
+    """Did a snapshot with this batch id get committed (e.g. before a lost response)?"""
+    return any(s.summary is not None and s.summary.additional_properties.get(BATCH_PROPERTY) == batch
+               for s in table.metadata.snapshots)
+
+
+def _max_position_per_run(data: pa.Table, column: str) -> dict[str, int]:
+    grouped = data.group_by("run_id").aggregate([(column, "max")])
+    return {run: int(v) for run, v in zip(grouped["run_id"].to_pylist(), grouped[f"{column}_max"].to_pylist())
+            if v is not None}
+
+
+def sample_rows(batch: Batch, run_id: str, step: int) -> list[dict[str, Any]]:
+    """Rows for the `samples` table from the batch the trainer consumed at optimizer step `step`.
+
+    staleness = batch.version − (version of the sample's oldest sampled token).
+    """
+    rows = []
+    for sample in batch.samples:
+        rows.append({
+            "run_id": run_id, "sample_id": sample.sample_id, "group_id": sample.group_id,
+            "task_id": sample.task_id, "prompt_ids": sample.prompt_ids, "completion_ids": sample.completion_ids,
+            "logprobs": sample.logprobs, "versions": sample.versions, "loss_mask": sample.loss_mask,
+            "reward": sample.reward, "turns": sample.turns, "env": sample.env,
+            "finish_reason": sample.finish_reason, "timings": sample.timings, "info": sample.info or None,
+            "trained_step": step, "trained_version": batch.version,
+            "staleness": batch.version - sample.oldest_version,
+        })
+    return rows
