@@ -8,6 +8,7 @@ container's), found through `/proc/<pid>/cgroup`.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -44,15 +45,24 @@ def _keyed(text: str, key: str) -> int:
     return 0
 
 
+@functools.lru_cache(maxsize=1)
+def _v1_hierarchies() -> tuple[tuple[tuple[str, ...], Path], ...]:
+    """The v1 hierarchies holding our controllers, each once (cpu and cpuacct are often co-mounted)."""
+    by_real: dict[Path, list[str]] = {}
+    for ctrl in V1_CONTROLLERS:
+        if (ROOT / ctrl).is_dir():
+            by_real.setdefault((ROOT / ctrl).resolve(), []).append(ctrl)
+    return tuple((tuple(ctrls), ROOT / ctrls[0]) for ctrls in by_real.values())
+
+
 def detect() -> tuple[str | None, str]:
     """Which cgroup version can hold sandboxes here ("v1", "v2" or None) and, if None, why not."""
     if os.geteuid() != 0:
         return None, "not root: cannot create cgroups"
     if (ROOT / "memory" / "memory.limit_in_bytes").exists() and (ROOT / "pids").is_dir():
         try:
-            for ctrl in V1_CONTROLLERS:
-                if (ROOT / ctrl).is_dir():
-                    (ROOT / ctrl / PARENT).mkdir(exist_ok=True)
+            for _, base in _v1_hierarchies():
+                (base / PARENT).mkdir(exist_ok=True)
             return "v1", ""
         except OSError as err:
             return None, f"cgroup v1 not writable: {err}"
@@ -89,13 +99,10 @@ class Cgroup:
         limit = str(memory_mb * 1024 * 1024)
         if version == "v1":
             dirs: dict[str, Path] = {}
-            for ctrl in V1_CONTROLLERS:
-                base = ROOT / ctrl
-                if base.is_dir():
-                    path = base / PARENT / name
-                    if path.resolve() not in {p.resolve() for p in dirs.values()}:
-                        path.mkdir()
-                    dirs[ctrl] = path
+            for ctrls, base in _v1_hierarchies():
+                path = base / PARENT / name
+                path.mkdir()
+                dirs.update((ctrl, path) for ctrl in ctrls)
             group = cls("v1", dirs)
             _write(dirs["memory"] / "memory.limit_in_bytes", limit)
             _write(dirs["memory"] / "memory.memsw.limit_in_bytes", limit)  # absent without swap accounting
@@ -128,16 +135,12 @@ class Cgroup:
                 return cls("v2", {"": ROOT / rel.lstrip("/")}, owned=False)
         return cls("v1", dirs, owned=False) if "pids" in dirs else None
 
+    def _unique_dirs(self) -> list[Path]:
+        return list(dict.fromkeys(self.dirs.values()))  # co-mounted controllers share one directory
+
     def procs_files(self) -> list[Path]:
         """The `cgroup.procs` files a process writes its pid into to join this group."""
-        seen: set[Path] = set()
-        out = []
-        for path in self.dirs.values():
-            real = path.resolve()
-            if real not in seen:
-                seen.add(real)
-                out.append(path / "cgroup.procs")
-        return out
+        return [path / "cgroup.procs" for path in self._unique_dirs()]
 
     def remove(self, timeout_s: float = 2.0) -> bool:
         """Kill whatever is left, then delete the directories; False if something would not die."""
@@ -148,7 +151,7 @@ class Cgroup:
                 return False
             time.sleep(0.001)
         ok = True
-        for path in {p.resolve(): p for p in self.dirs.values()}.values():
+        for path in self._unique_dirs():
             for _ in range(200):
                 try:
                     path.rmdir()
