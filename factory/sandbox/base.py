@@ -188,6 +188,8 @@ def run_blocking(coro: Coroutine[object, object, T]) -> T:
     """Run a coroutine to completion from synchronous code, on one shared background event loop (so
     loop-bound state such as a pool's semaphore is shared by all synchronous callers)."""
     global _loop
+    if _loop is not None and threading.current_thread().name == "factory-sandbox-loop":
+        raise RuntimeError("run_sync called from inside the sandbox event loop: use `await sandbox.run(...)`")
     with _loop_lock:
         if _loop is None or _loop.is_closed():
             _loop = asyncio.new_event_loop()

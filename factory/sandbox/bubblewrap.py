@@ -46,6 +46,7 @@ _HOST_ETC = ("passwd", "group", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "l
              "alternatives", "hosts", "mime.types", "ssl")
 _STATUS_FD = 3
 _POLL_S = 0.05  # how often the CPU budget is checked while a program runs
+_OVERHEAD_PIDS = 2  # bwrap and its pid-1 init share the sandbox's pids budget
 
 
 def _which(name: str) -> str:
@@ -127,7 +128,7 @@ class BubblewrapSandbox(Sandbox):
         if limits.cpu_s is not None:
             rlimits.append(f"-t {math.ceil(limits.cpu_s)}")
         if not join:  # no cgroup: the per-process fallbacks the module docstring lists
-            rlimits += [f"-v {limits.memory_mb * 1024}", f"-p {limits.pids}"]
+            rlimits += [f"-v {limits.memory_mb * 1024}", f"-p {limits.pids + _OVERHEAD_PIDS}"]
         script = "".join(f"echo $$ > {path} || exit 125; " for path in join)
         script += "".join(f"ulimit {flag} || exit 125; " for flag in rlimits)
         if self.setpriv:
@@ -148,7 +149,8 @@ class BubblewrapSandbox(Sandbox):
             (host / "stdin").write_bytes(program.stdin or b"")
             (host / "stdin").chmod(0o600)
             if self.cgroup_version:
-                group = cgroups.Cgroup.create(self.cgroup_version, run_id, limits.memory_mb, limits.pids, limits.cpus)
+                group = cgroups.Cgroup.create(self.cgroup_version, run_id, limits.memory_mb,
+                                              limits.pids + _OVERHEAD_PIDS, limits.cpus)
             argv = self._argv(program, limits, workdir, group.procs_files() if group else [])
             return await self._spawn_and_wait(argv, host, limits, group)
         finally:
@@ -172,7 +174,34 @@ class BubblewrapSandbox(Sandbox):
         finally:
             for fd in (stdin, out, err, status_w):
                 os.close(fd)
+        with os.fdopen(status_r, "rb") as status_file:
+            timed_out, cpu_exceeded, usage = await self._wait(pid, started, limits, group)
+            status_text = status_file.read().decode(errors="replace")
+        wall = time.monotonic() - started
+        events = [json.loads(line) for line in status_text.splitlines() if line.strip().startswith("{")]
+        exit_code = next((e["exit-code"] for e in events if "exit-code" in e), None)
+        oom_kills = group.oom_kills() if group else 0
+        if exit_code is None:
+            if not (timed_out or cpu_exceeded or oom_kills):
+                # bwrap reports an exit code whenever the program ran; without one, its set-up failed
+                problem = read_capped(host / "stderr", 2000)[0].strip().splitlines() or ["no status from bwrap"]
+                raise SandboxUnavailable(f"bubblewrap could not start the sandbox: {problem[-1]}")
+            exit_code = 128 + signal.SIGKILL
+        cpu = group.cpu_seconds() if group else usage.ru_utime + usage.ru_stime
+        if limits.cpu_s is not None and (exit_code == 128 + signal.SIGXCPU or (cpu or 0) >= limits.cpu_s):
+            cpu_exceeded = True
+        stdout, cut_out = read_capped(host / "stdout", limits.output_bytes)
+        stderr, cut_err = read_capped(host / "stderr", limits.output_bytes)
+        reason = decide_reason(exit_code=exit_code, oom_kills=oom_kills, pids_hits=group.pids_hits() if group else 0,
+                               timed_out=timed_out, cpu_exceeded=cpu_exceeded, truncated=cut_out or cut_err)
+        return Result(exit_code=exit_code, stdout=stdout, stderr=stderr, reason=reason, wall_s=wall, cpu_s=cpu,
+                      truncated=cut_out or cut_err, backend=self.name)
+
+    async def _wait(self, pid: int, started: float, limits: Limits, group) -> tuple[bool, bool, object]:
+        """Wait for the launcher to exit, killing the sandbox at the wall deadline or past the CPU
+        budget; reaps it. Returns (timed out, CPU budget exceeded, rusage)."""
         timed_out = cpu_exceeded = False
+        watch_cpu = limits.cpu_s is not None and group is not None
         exited = await _exit_waiter(pid)
         try:
             deadline = started + limits.wall_s
@@ -181,47 +210,23 @@ class BubblewrapSandbox(Sandbox):
                 if remaining <= 0:
                     timed_out = True
                     break
-                step = min(remaining, _POLL_S) if (limits.cpu_s is not None and group) else remaining
-                await asyncio.wait([exited], timeout=step)
-                if limits.cpu_s is not None and group and not exited.done():
-                    used = group.cpu_seconds()
-                    if used is not None and used >= limits.cpu_s:
-                        cpu_exceeded = True
-                        break
+                await asyncio.wait([exited], timeout=min(remaining, _POLL_S) if watch_cpu else remaining)
+                if watch_cpu and not exited.done() and (group.cpu_seconds() or 0) >= limits.cpu_s:
+                    cpu_exceeded = True
+                    break
             if not exited.done():
-                _kill_group(pid)
+                _kill_group(pid)  # bwrap's pid 1 dies with it, and the kernel empties its pid namespace
                 if group is not None:
                     group.kill_all()
                 await exited
-            _, wait_status, usage = os.wait4(pid, 0)
+            _, _, usage = os.wait4(pid, 0)
         except BaseException:
             _kill_group(pid)
             os.waitpid(pid, 0)
             raise
         finally:
             exited.cancel()
-        wall = time.monotonic() - started
-        with os.fdopen(status_r, "rb") as status_file:
-            status_text = status_file.read().decode(errors="replace")
-        events = [json.loads(line) for line in status_text.splitlines() if line.strip().startswith("{")]
-        exit_code = next((e["exit-code"] for e in events if "exit-code" in e), None)
-        oom_kills = group.oom_kills() if group else 0
-        if exit_code is None and not (timed_out or cpu_exceeded or oom_kills):
-            # bwrap reports an exit code whenever the program ran; without one, its set-up failed
-            problem = read_capped(host / "stderr", 2000)[0].strip().splitlines() or [f"launcher status {wait_status}"]
-            raise SandboxUnavailable(f"bubblewrap could not start the sandbox: {problem[-1]}")
-        cpu = group.cpu_seconds() if group else usage.ru_utime + usage.ru_stime
-        if limits.cpu_s is not None and (exit_code == 128 + signal.SIGXCPU or (cpu or 0) >= limits.cpu_s):
-            cpu_exceeded = True
-        stdout, cut_out = read_capped(host / "stdout", limits.output_bytes)
-        stderr, cut_err = read_capped(host / "stderr", limits.output_bytes)
-        reason = decide_reason(
-            exit_code=exit_code, oom_kills=oom_kills,
-            pids_hits=group.pids_hits() if group else 0, timed_out=timed_out, cpu_exceeded=cpu_exceeded,
-            truncated=cut_out or cut_err,
-        )
-        return Result(exit_code=exit_code, stdout=stdout, stderr=stderr, reason=reason, wall_s=wall, cpu_s=cpu,
-                      truncated=cut_out or cut_err, backend=self.name)
+        return timed_out, cpu_exceeded, usage
 
     def close(self) -> None:
         shutil.rmtree(self._scratch, ignore_errors=True)

@@ -21,6 +21,7 @@ RLIMIT_CPU bounds CPU time.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import math
 import os
 import shutil
@@ -117,6 +118,7 @@ class DockerSandbox(Sandbox):
         self._closed = False
         self._threads = ThreadPoolExecutor(max_workers=64, thread_name_prefix="docker-sandbox")
         self.reap_orphans()
+        atexit.register(self.close)  # containers outlive their client: never leave them on a normal exit
 
     # -- containers ------------------------------------------------------------------------------
     def reap_orphans(self) -> int:
@@ -220,7 +222,9 @@ class DockerSandbox(Sandbox):
         if limits.cpu_s is not None:
             rlimits.append(f"-t {math.ceil(limits.cpu_s)}")
         # `exec`: no shell left to print "Killed" into the program's stderr; exec_start still waits for exit
-        return ("rm -rf /tmp/* /tmp/.[!.]* 2>/dev/null; "
+        # leftovers of the previous run in this container's tmpfs go first (chmod: it may have locked a dir)
+        scratch = "/tmp/* /tmp/.[!.]* /dev/shm/* /dev/shm/.[!.]*"
+        return (f"rm -rf {scratch} 2>/dev/null || {{ chmod -R u+rwx {scratch} 2>/dev/null; rm -rf {scratch} 2>/dev/null; }}; "
                 + "".join(f"ulimit {flag} || exit 125; " for flag in rlimits)
                 + f'exec timeout -s KILL {limits.wall_s:g} "$@" <{IO_DIR}/stdin >{IO_DIR}/stdout 2>{IO_DIR}/stderr')
 
@@ -292,7 +296,7 @@ class DockerSandbox(Sandbox):
             except Exception:
                 if not killed_container:
                     raise
-                exit_code, wrapper_out = None, b""
+                exit_code, wrapper_out = 137, b""  # SIGKILLed with its container
             wall = time.monotonic() - started
             if exit_code == 125 and b"ulimit" in wrapper_out:
                 raise SandboxUnavailable(f"docker sandbox wrapper failed: {wrapper_out.decode(errors='replace')[:300]}")
@@ -347,6 +351,8 @@ class DockerSandbox(Sandbox):
     def close(self) -> None:
         """Kill and remove every container this sandbox started, including ones still starting."""
         with self._lock:
+            if self._closed and not self._live:
+                return
             self._closed = True
             pending = list(self._pending)
             self._idle.clear()

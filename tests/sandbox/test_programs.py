@@ -51,9 +51,10 @@ def test_uncaught_exception(sandbox):
 
 
 def test_state_does_not_leak_between_runs(sandbox):
-    sandbox.run_sync(Program.python("open('left.txt', 'w').write('x'); open('/tmp/left', 'w').write('x')"))
-    result = sandbox.run_sync(Program.python("import os; print(os.listdir('.'), os.listdir('/tmp'))"))
-    assert result.stdout == "['main.py'] []\n", result
+    sandbox.run_sync(Program.python(
+        "import os\nfor d in ('.', '/tmp', '/dev/shm'):\n    os.makedirs(d + '/locked/in', exist_ok=True); os.chmod(d + '/locked', 0)"))
+    result = sandbox.run_sync(Program.python("import os; print(os.listdir('.'), os.listdir('/tmp'), os.listdir('/dev/shm'))"))
+    assert result.stdout == "['main.py'] [] []\n", result
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "../escape.py", "a/../../b", ""])
