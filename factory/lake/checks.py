@@ -12,6 +12,7 @@ from typing import Any
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
 from pyiceberg.expressions import EqualTo
 
@@ -47,10 +48,7 @@ def _query(samples: pa.Table, run_id: str | None, body: str, params: list[Any], 
     """Run `body` (a SELECT over relation `s`, the run's samples) and return (count, examples)."""
     con = duckdb.connect()
     try:
-        con.register("samples", samples)
-        where = "WHERE run_id = ?" if run_id is not None else ""
-        run_params = [run_id] if run_id is not None else []
-        con.execute(f"CREATE TEMP VIEW s AS SELECT * FROM samples {where}", run_params)
+        con.register("s", samples if run_id is None else samples.filter(pc.field("run_id") == run_id))
         found = con.sql(body, params=params or None).to_arrow_table()
     finally:
         con.close()

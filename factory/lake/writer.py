@@ -30,7 +30,7 @@ from typing import Any, Iterable
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.exceptions import CommitFailedException, ValidationException
 from pyiceberg.expressions import AlwaysTrue, EqualTo
 from pyiceberg.table import Table
 from sqlalchemy.exc import OperationalError
@@ -46,6 +46,9 @@ BATCH_PROPERTY = "factory.batch"
 WRITER_PROPERTY = "factory.writer"
 POSITION_PROPERTY = "factory.position."  # + run_id
 
+# Failures that guarantee the commit did not land (a concurrent commit, or a concurrent expiry
+# removed the snapshot this append started from): reload and re-send.
+_CONFLICT = (CommitFailedException, ValidationException)
 # Failures after which the commit may or may not have landed: check before re-sending.
 _UNKNOWN_OUTCOME = (OperationalError, OSError, TimeoutError)
 
@@ -62,13 +65,14 @@ class TrajectoryWriter:
     """
 
     def __init__(self, catalog: Catalog | None = None, namespace: str = NAMESPACE, run_id: str | None = None,
-                 *, batch_rows: int = 64, flush_interval_s: float = 2.0, expire_every: int = 50,
+                 *, batch_rows: int = 64, flush_interval_s: float = 2.0, expire_every: int = 20,
                  keep_snapshots: int = 5, max_retries: int = 30) -> None:
         self.catalog = catalog if catalog is not None else open_catalog(namespace=namespace)
         self.namespace = namespace
         self.run_id = run_id
         self.batch_rows = batch_rows
         self.flush_interval_s = flush_interval_s
+        # metadata (deep-copied several times per commit) grows with snapshots: 20 keeps commits ~40 ms
         self.expire_every = expire_every  # 0 disables expiry
         self.keep_snapshots = keep_snapshots
         self.max_retries = max_retries
@@ -289,7 +293,7 @@ class TrajectoryWriter:
             try:
                 table.append(data, snapshot_properties=properties)
                 break
-            except (CommitFailedException, *_UNKNOWN_OUTCOME) as e:
+            except (*_CONFLICT, *_UNKNOWN_OUTCOME) as e:
                 if attempt == self.max_retries:
                     raise
                 with self._lock:

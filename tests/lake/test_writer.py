@@ -1,0 +1,173 @@
+"""TrajectoryWriter: round trip, concurrency, exactly-once across a crash, retries, validation."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+
+import pytest
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.table import Table
+from sqlalchemy.exc import OperationalError
+
+from factory.lake import TrajectoryWriter
+from factory.lake.writer import POSITION_PROPERTY
+from tests.lake import workers
+from tests.lake.rows import sample_row, step_row
+
+
+def _rows(catalog, table: str) -> list[dict]:
+    return catalog.load_table(("factory", table)).scan().to_arrow().to_pylist()
+
+
+def test_samples_round_trip(catalog):
+    written = [sample_row("run-a", f"s{i}", step=i, reward=0.5 * i) for i in range(5)]
+    written[0]["info"] = {"tool": "python"}
+    with TrajectoryWriter(catalog, run_id="run-a", batch_rows=2) as writer:
+        assert writer.append("samples", written) == 5
+    back = sorted(_rows(catalog, "samples"), key=lambda r: r["sample_id"])
+    assert len(back) == 5
+    for got, want in zip(back, written):
+        assert json.loads(got.pop("timings")) == want["timings"]
+        info = got.pop("info")
+        assert (json.loads(info) if info else None) == want["info"]
+        assert got == {k: v for k, v in want.items() if k not in ("timings", "info")}
+
+
+def test_steps_round_trip_and_default_timestamp(catalog):
+    with TrajectoryWriter(catalog, run_id="run-a") as writer:
+        writer.append("steps", [step_row("run-a", s) for s in (1, 2)])
+    back = sorted(_rows(catalog, "steps"), key=lambda r: r["step"])
+    assert [r["step"] for r in back] == [1, 2]
+    assert dict(back[1]["metrics"]) == {"train/loss": 0.5, "rollout/reward_mean": pytest.approx(0.2)}
+    assert all(r["time"] is not None and r["time"].tzinfo is not None for r in back)
+
+
+def test_rows_that_do_not_fit_the_schema_fail_at_append(catalog):
+    with TrajectoryWriter(catalog, run_id="r") as writer:
+        with pytest.raises(ValueError, match="no column"):
+            writer.append("samples", [sample_row("r", "a", rewrd=1.0)])
+        with pytest.raises(ValueError, match="do not match"):
+            writer.append("samples", [sample_row("r", "b", turns="two")])
+        with pytest.raises(ValueError, match="unknown lake table"):
+            writer.append("sample", [sample_row("r", "c")])
+        assert writer.append("samples", [sample_row("r", "b")]) == 1  # the failed key was not remembered
+    assert [r["sample_id"] for r in _rows(catalog, "samples")] == ["b"]
+
+
+def test_two_processes_append_concurrently_without_losing_rows(catalog, tmp_path):
+    commits, per_commit = 200, 3
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=workers.append_many, args=(str(tmp_path), k, commits, per_commit, out))
+             for k in range(2)]
+    for p in procs:
+        p.start()
+    metrics = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert [m["lake/commits"] for m in metrics] == [commits, commits]
+    ids = [r["sample_id"] for r in catalog.load_table(("factory", "samples")).scan(
+        selected_fields=("sample_id",)).to_arrow().to_pylist()]
+    expected = {f"w{k}-{i}-{j}" for k in range(2) for i in range(commits) for j in range(per_commit)}
+    assert len(ids) == len(expected) == 2 * commits * per_commit
+    assert set(ids) == expected
+
+
+def test_exactly_once_across_a_crash(catalog, tmp_path):
+    ctx = mp.get_context("spawn")
+    crashed = ctx.Process(target=workers.crash_after_steps, args=(str(tmp_path),))
+    crashed.start()
+    crashed.join(timeout=120)
+    assert crashed.exitcode == 0
+    assert sorted(r["step"] for r in _rows(catalog, "steps")) == [1, 2, 3, 4, 5]  # 6, 7 were never committed
+
+    writer = TrajectoryWriter(catalog, run_id="r", batch_rows=4)
+    assert writer.position("steps") == 5 and writer.position("samples") == 5
+    new_steps = sum(writer.append("steps", [step_row("r", s)]) for s in range(3, 9))
+    new_samples = sum(writer.append("samples", [sample_row("r", f"s{s}-{k}", step=s) for k in range(2)])
+                      for s in range(3, 9))
+    writer.close()
+    assert (new_steps, new_samples) == (3, 6)
+    assert writer.metrics()["lake/skipped_rows"] == 3 + 6
+    steps = [r["step"] for r in _rows(catalog, "steps")]
+    assert sorted(steps) == list(range(1, 9))
+    samples = [r["sample_id"] for r in _rows(catalog, "samples")]
+    assert sorted(samples) == sorted(f"s{s}-{k}" for s in range(1, 9) for k in range(2))
+    assert writer.position("steps") == 8
+
+
+def test_another_runs_keys_do_not_block_this_run(catalog):
+    with TrajectoryWriter(catalog, run_id="a") as writer:
+        writer.append("samples", [sample_row("a", "s1")])
+    with TrajectoryWriter(catalog, run_id="b") as writer:
+        assert writer.append("samples", [sample_row("b", "s1")]) == 1
+        assert writer.append("samples", [sample_row("a", "s1")]) == 0
+    assert sorted((r["run_id"], r["sample_id"]) for r in _rows(catalog, "samples")) == [("a", "s1"), ("b", "s1")]
+
+
+def test_commit_conflicts_beyond_pyicebergs_retries_are_retried(catalog, monkeypatch):
+    real_append, failures = Table.append, {"left": 6}
+
+    def conflicting_append(self, df, snapshot_properties={}, branch="main"):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise CommitFailedException("Table has been updated by another process")
+        return real_append(self, df, snapshot_properties=snapshot_properties, branch=branch)
+
+    monkeypatch.setattr(Table, "append", conflicting_append)
+    monkeypatch.setattr("factory.lake.writer.backoff_s", lambda attempt: 0.001)
+    with TrajectoryWriter(catalog, run_id="r") as writer:
+        writer.append("samples", [sample_row("r", f"s{i}") for i in range(4)])
+    assert writer.metrics()["lake/retries"] == 6
+    assert writer.metrics()["lake/commits"] == 1
+    assert len(_rows(catalog, "samples")) == 4
+
+
+def test_a_commit_that_landed_before_an_error_is_not_repeated(catalog, monkeypatch):
+    real_append, calls = Table.append, []
+
+    def lost_response(self, df, snapshot_properties={}, branch="main"):
+        calls.append(snapshot_properties)
+        real_append(self, df, snapshot_properties=snapshot_properties, branch=branch)
+        if len(calls) == 1:
+            raise OperationalError("COMMIT", {}, Exception("disk I/O error after commit"))
+
+    monkeypatch.setattr(Table, "append", lost_response)
+    with TrajectoryWriter(catalog, run_id="r") as writer:
+        writer.append("samples", [sample_row("r", f"s{i}", step=7) for i in range(3)])
+    assert len(calls) == 1  # found its batch id in the table and stopped
+    assert writer.metrics()["lake/retries"] == 1
+    assert len(_rows(catalog, "samples")) == 3
+    summary = catalog.load_table(("factory", "samples")).current_snapshot().summary.additional_properties
+    assert summary[POSITION_PROPERTY + "r"] == "7"
+
+
+def test_a_failing_catalog_surfaces_in_flush_and_keeps_rows(catalog, monkeypatch):
+    real_append = Table.append
+
+    def broken(self, df, snapshot_properties={}, branch="main"):
+        raise CommitFailedException("always conflicting")
+
+    monkeypatch.setattr(Table, "append", broken)
+    writer = TrajectoryWriter(catalog, run_id="r", max_retries=1, flush_interval_s=0.05)
+    writer.append("samples", [sample_row("r", "s1")])
+    with pytest.raises(Exception, match="lake commit failed"):
+        writer.flush()
+    monkeypatch.setattr(Table, "append", real_append)
+    writer.flush()  # the kept rows go in once the catalog works again
+    writer.close()
+    assert [r["sample_id"] for r in _rows(catalog, "samples")] == ["s1"]
+
+
+def test_periodic_expiry_bounds_the_snapshot_count(catalog):
+    with TrajectoryWriter(catalog, run_id="r", expire_every=10, keep_snapshots=3) as writer:
+        for i in range(25):
+            writer.append("steps", [step_row("r", i + 1)])
+            writer.flush()
+    table = catalog.load_table(("factory", "steps"))
+    assert writer.metrics()["lake/commits"] == 25
+    assert writer.metrics()["lake/snapshots_expired"] == 7 + 10  # at commits 10 and 20, keeping 3
+    assert len(table.metadata.snapshots) == 25 - 17
+    assert sorted(r["step"] for r in table.scan().to_arrow().to_pylist()) == list(range(1, 26))

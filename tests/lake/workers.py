@@ -1,0 +1,38 @@
+"""Entry points of the writer processes the lake tests spawn (importable, so `spawn` can run them)."""
+
+from __future__ import annotations
+
+import os
+
+
+def append_many(home: str, worker: int, commits: int, rows_per_commit: int, out) -> None:
+    """Commit `commits` batches of `rows_per_commit` samples (flush after each); report metrics."""
+    os.environ["FACTORY_HOME"] = home
+    from factory.lake import TrajectoryWriter, open_catalog
+    from tests.lake.rows import sample_row
+
+    writer = TrajectoryWriter(open_catalog(), run_id="shared", batch_rows=10_000, flush_interval_s=60,
+                              expire_every=20)
+    for i in range(commits):
+        writer.append("samples", [sample_row("shared", f"w{worker}-{i}-{j}", step=i)
+                                  for j in range(rows_per_commit)])
+        writer.flush()
+    writer.close()
+    out.put(writer.metrics())
+
+
+def crash_after_steps(home: str) -> None:
+    """Commit steps 1..5 (and their samples), queue 6..7 without flushing, then die without close()."""
+    os.environ["FACTORY_HOME"] = home
+    from factory.lake import TrajectoryWriter, open_catalog
+    from tests.lake.rows import sample_row, step_row
+
+    writer = TrajectoryWriter(open_catalog(), run_id="r", batch_rows=10_000, flush_interval_s=60)
+    for step in range(1, 6):
+        writer.append("steps", [step_row("r", step)])
+        writer.append("samples", [sample_row("r", f"s{step}-{k}", step=step) for k in range(2)])
+    writer.flush()
+    for step in (6, 7):
+        writer.append("steps", [step_row("r", step)])
+        writer.append("samples", [sample_row("r", f"s{step}-{k}", step=step) for k in range(2)])
+    os._exit(0)  # a crash: no close(), pending rows lost
