@@ -1,0 +1,120 @@
+"""RunTracker over a real MLflow SQLite store: params, metrics, plots, resume, limits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlflow import MlflowClient
+
+from factory.tracking import RunTracker, default_tracking_uri, flatten_params, mlflow_key
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    # one store for the module: creating MLflow's SQLite schema takes ~2 s
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("home")
+        mp.setenv("FACTORY_HOME", str(path))
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        yield path
+
+
+@pytest.fixture(scope="module")
+def finished_run(home):
+    """A run with nested params, five steps of metrics and its plots, then ended."""
+    metrics_file = home / "run" / "metrics.jsonl"
+    metrics_file.parent.mkdir()
+    lines = [{"step": s, "rollout/reward_mean": 0.1 * s, "perf/samples_per_s": 50.0 + s, "note": "x"} for s in range(5)]
+    metrics_file.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    tracker = RunTracker()
+    run_id = tracker.start("arith-grpo", params={"algo": {"loss": "grpo", "lr": 5e-5}, "rollout": {"n": 8},
+                                                 "tags": ["a", "b"]}, tags={"recipe": "default.yaml"})
+    for line in lines:
+        tracker.log_metrics(line["step"], {k: v for k, v in line.items() if k != "step"})
+    plots = tracker.log_plots(metrics_file, staleness=[0, 1, 1, 2, 1, 0])
+    tracker.end("FINISHED")
+    return tracker, run_id, plots
+
+
+def test_store_defaults_to_sqlite_under_the_state_dir(home, finished_run):
+    tracker, _, _ = finished_run
+    assert tracker.tracking_uri == f"sqlite:///{home / 'mlflow' / 'mlflow.db'}" == default_tracking_uri()
+    assert (home / "mlflow" / "mlflow.db").stat().st_size > 0
+    assert (home / "mlflow" / "artifacts").is_dir()
+
+
+def test_params_tags_metrics_and_status(finished_run):
+    tracker, run_id, _ = finished_run
+    run = MlflowClient(tracker.tracking_uri).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "arith-grpo"
+    assert run.data.params == {"algo.loss": "grpo", "algo.lr": "5e-05", "rollout.n": "8", "tags": '["a", "b"]'}
+    assert run.data.tags["recipe"] == "default.yaml" and run.data.tags["factory.run"] == "arith-grpo"
+    history = MlflowClient(tracker.tracking_uri).get_metric_history(run_id, "rollout/reward_mean")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [
+        (s, pytest.approx(0.1 * s)) for s in range(5)]
+    assert "note" not in run.data.metrics  # non-numeric values are skipped
+
+
+def test_plots_are_pngs_logged_as_artifacts(finished_run):
+    tracker, run_id, plots = finished_run
+    assert sorted(p.name for p in plots) == ["reward.png", "staleness.png", "throughput.png"]
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in plots)
+    logged = MlflowClient(tracker.tracking_uri).list_artifacts(run_id, "plots")
+    assert sorted(a.path for a in logged) == ["plots/reward.png", "plots/staleness.png", "plots/throughput.png"]
+    assert all(a.file_size > 1000 for a in logged)
+
+
+def test_resume_continues_the_same_run(finished_run, tmp_path):
+    first, run_id, _ = finished_run
+    tracker = RunTracker()
+    assert tracker.find_run("arith-grpo") == run_id
+    resumed = tracker.start("arith-grpo", params={"algo": {"loss": "grpo", "lr": 1e-4}, "seed": 3},
+                            resume_run_id=run_id)
+    assert resumed == run_id
+    client = MlflowClient(tracker.tracking_uri)
+    assert client.get_run(run_id).info.status == "RUNNING"
+    tracker.log_metrics(5, {"rollout/reward_mean": 0.5})
+    artifact = tmp_path / "checkpoint.txt"
+    artifact.write_text("step 5")
+    tracker.log_artifact(artifact, "checkpoints")
+    tracker.end("KILLED")
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED"
+    assert [m.step for m in client.get_metric_history(run_id, "rollout/reward_mean")] == [0, 1, 2, 3, 4, 5]
+    assert run.data.params["algo.lr"] == "5e-05" and run.data.params["seed"] == "3"
+    assert run.data.tags["factory.param_changed.algo.lr"] == "0.0001" and run.data.tags["factory.resumed"] == "1"
+    assert [a.path for a in client.list_artifacts(run_id, "checkpoints")] == ["checkpoints/checkpoint.txt"]
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+def test_many_metrics_go_in_batches(finished_run):
+    tracker = RunTracker()
+    run_id = tracker.start("wide", params={f"p{i}": i for i in range(250)})  # > 100 params per batch
+    tracker.log_metrics(0, {f"m/{i}": float(i) for i in range(1500)})  # > 1000 metrics per batch
+    tracker.end()
+    run = MlflowClient(tracker.tracking_uri).get_run(run_id)
+    assert len(run.data.params) == 250 and len(run.data.metrics) == 1500 and run.data.metrics["m/1499"] == 1499.0
+
+
+def test_flatten_params_and_key_limits():
+    flat = flatten_params({"a": {"b": {"c": 1}, "d": None}, "long": "x" * 7000, "e": {}})
+    assert flat == {"a.b.c": "1", "a.d": "None", "long": "x" * 6000, "e": "{}"}
+    assert mlflow_key("/rollout/reward@mean") == "rollout/reward_mean"
+    assert len(mlflow_key("k" * 400)) == 250
+
+
+def test_an_env_tracking_uri_switches_the_store(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert RunTracker().tracking_uri == "http://127.0.0.1:5999"
+    recipe_uri = f"sqlite:///{tmp_path / 'x.db'}"
+    assert RunTracker(tracking_uri=recipe_uri).tracking_uri == recipe_uri  # the recipe wins
+
+
+def test_using_the_tracker_before_start_is_an_error(tmp_path):
+    tracker = RunTracker(tracking_uri=f"sqlite:///{tmp_path / 'unused.db'}")
+    with pytest.raises(RuntimeError, match="start"):
+        tracker.log_metrics(0, {"a": 1.0})
+    assert not (tmp_path / "unused.db").exists()  # the store is opened lazily
