@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pyiceberg.catalog import Catalog, load_catalog
-from pyiceberg.exceptions import NoSuchTableError, TableAlreadyExistsError
+from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, TableAlreadyExistsError
 from pyiceberg.table import Table
 
 from factory.lake.schemas import NAMESPACE, TABLES
@@ -47,13 +47,24 @@ def open_catalog(props: dict[str, Any] | None = None, namespace: str | None = NA
 
 
 def ensure_tables(catalog: Catalog, namespace: str = NAMESPACE) -> dict[str, Table]:
-    """Create `namespace` and every table of `schemas.TABLES` in it if absent; return the tables."""
+    """Create `namespace` and every table of `schemas.TABLES` in it if absent; return the tables.
+
+    Existing tables get the spec's table properties if theirs differ (schemas are not migrated).
+    """
     catalog.create_namespace_if_not_exists(namespace)
     tables = {}
     for name, spec in TABLES.items():
         identifier = (namespace, name)
         try:
-            tables[name] = catalog.load_table(identifier)
+            table = catalog.load_table(identifier)
+            stale = {k: v for k, v in spec.properties.items() if table.properties.get(k) != v}
+            if stale:  # a lake made by an older version: bring its table properties up to date
+                try:
+                    with table.transaction() as tx:
+                        tx.set_properties(stale)
+                except CommitFailedException:  # a concurrent commit won; the next open retries
+                    pass
+            tables[name] = table
         except NoSuchTableError:
             try:
                 tables[name] = catalog.create_table(identifier, schema=spec.schema,

@@ -84,7 +84,7 @@ class TrajectoryWriter:
         self._pending_since: dict[str, float] = {}
         self._keys: dict[tuple[str, str | None], set[tuple]] = {}  # (table, run) → committed or pending keys
         self._tables: dict[str, Table] = {}  # used by the commit thread only
-        self._force = False
+        self._flushing = 0  # callers waiting in flush(): commit everything now
         self._busy = False
         self._closed = False
         self._error: BaseException | None = None
@@ -101,10 +101,12 @@ class TrajectoryWriter:
         self._raise_pending_error()
         if self._closed:
             raise RuntimeError("TrajectoryWriter is closed")
+        normalized = [self._normalize(spec, row) for row in rows]  # raises before anything is queued
+        for run_id in {row.get("run_id") for row in normalized}:
+            self._load_keys(spec, run_id)  # a scan: outside the lock
         fresh = []
         with self._lock:
-            for row in rows:
-                row = self._normalize(spec, row)
+            for row in normalized:
                 key = tuple(row[c] for c in spec.key)
                 seen = self._seen(spec, row.get("run_id"))
                 if key in seen:
@@ -115,7 +117,7 @@ class TrajectoryWriter:
             if not fresh:
                 return 0
             try:
-                data = pa.Table.from_pylist(fresh, schema=spec.arrow_schema())
+                data = pa.Table.from_pylist(fresh, schema=spec.arrow)
             except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
                 for row in fresh:  # nothing was queued: forget the keys again
                     self._seen(spec, row.get("run_id")).discard(tuple(row[c] for c in spec.key))
@@ -131,16 +133,18 @@ class TrajectoryWriter:
         """Block until every row appended so far is committed (or raise LakeWriteError)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
-            self._force = True
+            self._flushing += 1
             self._lock.notify_all()
-            while (self._pending_rows and any(self._pending_rows.values())) or self._busy:
-                if self._error is not None:
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"lake flush did not finish in {timeout_s} s")
-                self._lock.wait(timeout=remaining if remaining is not None else 1.0)
-            self._force = False
+            try:
+                while any(self._pending_rows.values()) or self._busy:
+                    if self._error is not None:
+                        break
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"lake flush did not finish in {timeout_s} s")
+                    self._lock.wait(timeout=remaining if remaining is not None else 1.0)
+            finally:
+                self._flushing -= 1
         self._raise_pending_error()
 
     def close(self) -> None:
@@ -193,7 +197,7 @@ class TrajectoryWriter:
 
     def _normalize(self, spec: TableSpec, row: dict[str, Any]) -> dict[str, Any]:
         row = dict(row)
-        unknown = set(row) - set(spec.arrow_schema().names)
+        unknown = row.keys() - spec.columns
         if unknown:
             raise ValueError(f"lake table {spec.name!r} has no column(s) {sorted(unknown)}")
         if spec.run_scoped and row.get("run_id") is None:
@@ -212,13 +216,18 @@ class TrajectoryWriter:
                 row[column] = datetime.now(timezone.utc)
         return row
 
-    def _seen(self, spec: TableSpec, run_id: str | None) -> set[tuple]:
-        """Keys of `run_id` in this table that are committed or pending (read back on first use)."""
+    def _load_keys(self, spec: TableSpec, run_id: str | None) -> None:
+        """On first sight of a run in a table, read back its committed keys (a scan of its partition)."""
         slot = (spec.name, run_id if spec.run_scoped else None)
-        if slot not in self._keys:
-            self._keys[slot] = committed_keys(self.catalog.load_table((self.namespace, spec.name)), spec,
-                                              run_id if spec.run_scoped else None)
-        return self._keys[slot]
+        if slot in self._keys:
+            return
+        keys = committed_keys(self.catalog.load_table((self.namespace, spec.name)), spec, slot[1])
+        with self._lock:
+            self._keys.setdefault(slot, keys)
+
+    def _seen(self, spec: TableSpec, run_id: str | None) -> set[tuple]:
+        """Keys of `run_id` in this table that are committed or pending (after `_load_keys`)."""
+        return self._keys[(spec.name, run_id if spec.run_scoped else None)]
 
     def _raise_pending_error(self) -> None:
         with self._lock:
@@ -264,7 +273,7 @@ class TrajectoryWriter:
     def _next_due(self) -> str | None:
         now = time.monotonic()
         for name, n in self._pending_rows.items():
-            if n and (self._force or self._closed or n >= self.batch_rows
+            if n and (self._flushing or self._closed or n >= self.batch_rows
                       or now - self._pending_since[name] >= self.flush_interval_s):
                 return name
         return None

@@ -15,7 +15,7 @@ ETA = 2
 def _table(rows: list[dict]) -> pa.Table:
     for row in rows:
         row["timings"] = None
-    return pa.Table.from_pylist(rows, schema=table_spec("samples").arrow_schema())
+    return pa.Table.from_pylist(rows, schema=table_spec("samples").arrow)
 
 
 def _clean() -> list[dict]:
