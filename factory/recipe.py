@@ -104,6 +104,7 @@ class RolloutSection(Section):
     bucket_mb: int = Field(16, gt=0)
     kv_cache_gb: int = Field(2, gt=0)
     cpus: int = Field(1, gt=0, description="threads for each engine")
+    coalesce_ms: float = Field(5.0, ge=0, description="vLLM: prompts arriving this close share one HTTP request")
     startup_timeout_s: float = Field(300, gt=0)
 
 

@@ -97,8 +97,14 @@ def evaluate(workers, tasks, recipe: Recipe, tag: str) -> dict:
 
 
 def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | None = None,
-        on_phase: Callable[[str], None] | None = None, resume_from: Path | None = None) -> dict:
-    """Train `recipe` end to end; returns the results also written to `run_dir/results.json`."""
+        on_phase: Callable[[str], None] | None = None, resume_from: Path | None = None,
+        engines: list | None = None) -> dict:
+    """Train `recipe` end to end; returns the results also written to `run_dir/results.json`.
+
+    `engines`: already-started EngineActors serving a model of the same architecture (tests and
+    benchmarks share one vLLM server this way); they are given this run's weights first and are
+    left running at the end. Without it the run starts and stops its own.
+    """
     phase = on_phase or (lambda _: None)
     files = RunFiles(run_dir)
     (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
@@ -111,8 +117,10 @@ def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | N
 
     with local_ray():
         phase("starting engines, trainer, buffer, env workers")
-        engines = [EngineActor.remote(recipe.rollout.engine, str(policy), recipe.rollout,
-                                      str(run_dir / f"engine-{i}.log")) for i in range(recipe.rollout.num_engines)]
+        own_engines = engines is None
+        if own_engines:
+            engines = [EngineActor.remote(recipe.rollout.engine, str(policy), recipe.rollout,
+                                          str(run_dir / f"engine-{i}.log")) for i in range(recipe.rollout.num_engines)]
         trainer = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
         buffer = BufferActor.remote(recipe.name, source.train, recipe.train.groups_per_step,
                                     recipe.async_.max_staleness, recipe.async_.max_inflight_groups,
@@ -125,7 +133,7 @@ def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | N
             version = state["version"]
         if recipe.rollout.weight_sync == "broadcast":
             connect_broadcast(engines, trainer)
-        if version:  # the engines serve the checkpoint already; this labels them with its version
+        if version or not own_engines:  # shared engines may hold another run's weights: send ours
             publish_weights(engines, trainer, version, recipe.rollout.weight_sync, run_dir / "weights")
             ray.get(buffer.set_version.remote(version))
         workers = [EnvWorkerActor.remote(str(policy), recipe.environment, recipe.rollout, engines, buffer)
@@ -172,7 +180,8 @@ def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | N
             phase(f"evaluating the trained policy on {len(heldout)} held-out tasks")
             results["after"] = evaluate(workers, heldout, recipe, "after")
         ray.get([w.close.remote() for w in workers])
-        ray.get([e.stop.remote() for e in engines])
+        if own_engines:
+            ray.get([e.stop.remote() for e in engines])
 
     files.close()
     results.update({

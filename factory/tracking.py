@@ -84,9 +84,10 @@ class RunTracker:
         found = self.client.get_experiment_by_name(self.experiment)
         if found is not None:
             return found.experiment_id
-        artifacts = None
-        if self.tracking_uri == default_tracking_uri():  # a server chooses its own artifact store
-            artifacts = (state_dir() / "mlflow" / "artifacts").resolve().as_uri()
+        artifacts = None  # a server chooses its own artifact store
+        if self.tracking_uri.startswith("sqlite:///"):  # beside the database, not MLflow's ./mlruns
+            db = Path(self.tracking_uri.removeprefix("sqlite:///"))
+            artifacts = (db.parent / "artifacts").resolve().as_uri()
         return self.client.create_experiment(self.experiment, artifact_location=artifacts)
 
     def find_run(self, run_name: str) -> str | None:

@@ -137,6 +137,13 @@ class Trainer:
         self.busy_s += time.perf_counter() - t0
         return out
 
+    @torch.no_grad()
+    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """The current policy's logprob of every completion token of each sample (tests, scoring)."""
+        tensors = pad_samples(samples, self.tokenizer.pad_token_id)
+        logp = completion_logprobs(self.model, tensors, self.temperature)
+        return [logp[i, : len(s.completion_ids)].tolist() for i, s in enumerate(samples)]
+
     # ---- weights out -------------------------------------------------------------------------
 
     def named_weights(self) -> dict[str, torch.Tensor]:

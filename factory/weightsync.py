@@ -114,7 +114,7 @@ class WeightBroadcaster:
         sent = 0
         for i in range(len(plan.buckets)):
             flat = pack_bucket(plan, i, tensors).contiguous()
-            self.group.broadcast([flat], 0).wait()
+            self.group.broadcast(flat, 0).wait()
             sent += flat.numel() * flat.element_size()
         return sent
 
@@ -133,7 +133,7 @@ class WeightReceiverExtension:
         received = []
         for i in range(len(plan.buckets)):
             flat = torch.empty(plan.bucket_numel(i), dtype=dtype)
-            self._factory_group.broadcast([flat], 0).wait()
+            self._factory_group.broadcast(flat, 0).wait()
             received.extend(unpack_bucket(plan, i, flat))
         self.model_runner.reload_weights(weights_iterator=iter(received))
         return str(len(received))

@@ -94,7 +94,7 @@ class HFEngine:
         state = {}
         for i in range(len(self._plan.buckets)):
             flat = torch.empty(self._plan.bucket_numel(i), dtype=DTYPES[self._plan.dtype])
-            self._group.broadcast([flat], 0).wait()
+            self._group.broadcast(flat, 0).wait()
             state.update({k: v.float() for k, v in unpack_bucket(self._plan, i, flat)})
         with self._lock:
             self.model.load_state_dict(state)

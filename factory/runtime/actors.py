@@ -22,7 +22,8 @@ def make_engine(kind: str, model_path: str, rollout, log_path: str | None):
 
         return VLLMEngine(model_path, dtype=rollout.dtype, max_model_len=rollout.max_model_len,
                           kv_cache_gb=rollout.kv_cache_gb, threads=rollout.cpus,
-                          log_path=Path(log_path) if log_path else None, startup_timeout_s=rollout.startup_timeout_s)
+                          log_path=Path(log_path) if log_path else None, startup_timeout_s=rollout.startup_timeout_s,
+                          coalesce_ms=rollout.coalesce_ms)
     if kind == "hf":
         from factory.rollout.hf import HFEngine
 
@@ -232,6 +233,9 @@ class TrainerActor:
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         return self.trainer.train_step(batch)
+
+    def logprobs(self, samples) -> list[list[float]]:
+        return self.trainer.logprobs(samples)
 
     def save_hf(self, path: str) -> str:
         return str(self.trainer.save_hf(path))

@@ -119,6 +119,7 @@ class BubblewrapSandbox(Sandbox):
             "--proc", "/proc", "--dev", "/dev",
             "--perms", "1777", *size(), "--tmpfs", "/tmp", "--perms", "1777", *size(), "--tmpfs", "/dev/shm",
             "--bind", str(workdir), WORKDIR, "--chdir", WORKDIR, "--clearenv",
+            "--remount-ro", "/",  # last: in host mode / is bwrap's tmpfs, which would otherwise be writable
         ]
         for key, value in {**SANDBOX_ENV, **program.env}.items():
             bwrap += ["--setenv", key, value]

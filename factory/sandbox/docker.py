@@ -71,6 +71,10 @@ def _proc_start_time(pid: int) -> str | None:
         return None
 
 
+class _ContainerGone(Exception):
+    """The container stopped before the program could be started in it."""
+
+
 @dataclass
 class _Worker:
     """One warm container and its host directory."""
@@ -107,7 +111,7 @@ class DockerSandbox(Sandbox):
             raise SandboxUnavailable(f"sandbox image {self.tag} not found: run `factory sandbox build {name}` "
                                      f"(or .ci/sandbox-setup.sh)") from None
         self.max_idle = max_idle
-        self.owner = f"{os.getpid()}:{_proc_start_time(os.getpid())}"
+        self.owner = f"{os.getpid()}:{_proc_start_time(os.getpid())}:{uuid.uuid4().hex[:8]}"  # pid:start:instance
         self.labels = {LABEL: "1", f"{LABEL}.host": socket.gethostname(), f"{LABEL}.owner": self.owner}
         self._scratch = scratch_root()
         self._lock = threading.Lock()
@@ -125,8 +129,7 @@ class DockerSandbox(Sandbox):
         """Remove sandbox containers of this host whose owning process is gone; returns how many."""
         removed = 0
         for container in self.client.containers.list(all=True, filters={"label": [f"{LABEL}.host={socket.gethostname()}"]}):
-            owner = container.labels.get(f"{LABEL}.owner", "")
-            pid, _, started = owner.partition(":")
+            pid, started = (container.labels.get(f"{LABEL}.owner", "").split(":") + ["", ""])[:2]
             if pid.isdigit() and _proc_start_time(int(pid)) == started and started != "None":
                 continue
             container.remove(force=True)
@@ -143,8 +146,8 @@ class DockerSandbox(Sandbox):
         host.mkdir(mode=0o711)
         fresh_workdir(host / "work")
         (host / "io").mkdir(mode=0o755)  # root-owned: the program can write its outputs but not swap them for links
-        container = self.client.containers.run(
-            self.tag, ["sleep", "infinity"], detach=True, init=True, labels=self.labels, hostname="sandbox",
+        container = self.client.containers.create(
+            self.tag, ["sleep", "infinity"], init=True, labels=self.labels, hostname="sandbox",
             network_mode="bridge" if network else "none", read_only=True, user=f"{SANDBOX_UID}:{SANDBOX_UID}",
             cap_drop=["ALL"], security_opt=["no-new-privileges"], ipc_mode="private",
             mem_limit=f"{memory_mb}m", memswap_limit=f"{memory_mb}m", nano_cpus=int(cpus * 1e9),
@@ -152,7 +155,13 @@ class DockerSandbox(Sandbox):
             volumes={str(host / "work"): {"bind": WORKDIR, "mode": "rw"}, str(host / "io"): {"bind": IO_DIR, "mode": "rw"}},
             working_dir=WORKDIR, environment=SANDBOX_ENV,
         )
-        container.reload()
+        try:
+            container.start()
+            container.reload()
+        except Exception:
+            container.remove(force=True)
+            shutil.rmtree(host, ignore_errors=True)
+            raise
         worker = _Worker(container, host, key, Cgroup.of_pid(container.attrs["State"]["Pid"]))
         with self._lock:
             self._live[worker.id] = worker
@@ -182,12 +191,20 @@ class DockerSandbox(Sandbox):
         return future
 
     async def _acquire(self, key: tuple) -> _Worker:
-        with self._lock:
-            if self._closed:
-                raise SandboxUnavailable("docker sandbox closed")
-            idle = self._idle.get(key)
-            if idle:
-                return idle.pop()
+        dead = []
+        try:
+            with self._lock:
+                if self._closed:
+                    raise SandboxUnavailable("docker sandbox closed")
+                idle = self._idle.get(key, [])
+                while idle:
+                    worker = idle.pop()
+                    if worker.cgroup is None or len(worker.cgroup.procs()) == 2:
+                        return worker
+                    dead.append(worker)  # died while idle (its keeper was killed, or the engine restarted)
+        finally:
+            for worker in dead:
+                self._submit(self._discard, worker)  # outside the lock: _submit takes it
         return await asyncio.wrap_future(self._submit(self._start_worker, key))
 
     def _release(self, worker: _Worker, reusable: bool) -> None:
@@ -241,10 +258,17 @@ class DockerSandbox(Sandbox):
 
     def _exec(self, worker: _Worker, program: Program, limits: Limits) -> tuple[int | None, bytes]:
         """Run the program by exec; returns its exit code and what the wrapper itself printed."""
+        import docker.errors
+
         api = self.client.api
-        exec_id = api.exec_create(worker.id, ["/bin/sh", "-c", self._script(limits), "sh", *program.command],
-                                  user=f"{SANDBOX_UID}:{SANDBOX_UID}", workdir=WORKDIR,
-                                  environment=program.env or None)["Id"]
+        try:
+            exec_id = api.exec_create(worker.id, ["/bin/sh", "-c", self._script(limits), "sh", *program.command],
+                                      user=f"{SANDBOX_UID}:{SANDBOX_UID}", workdir=WORKDIR,
+                                      environment=program.env or None)["Id"]
+        except docker.errors.APIError as err:
+            if err.status_code in (404, 409):  # no such container / not running
+                raise _ContainerGone(str(err)) from None
+            raise
         output = api.exec_start(exec_id) or b""
         return api.exec_inspect(exec_id).get("ExitCode"), output
 
@@ -267,7 +291,18 @@ class DockerSandbox(Sandbox):
         limits = limits or self.default_limits
         for name in program.files:
             safe_relpath(name)  # refuse before a container is taken
-        worker = await self._acquire(self._key(limits))
+        for attempt in range(2):
+            key = self._key(limits)
+            worker = await (self._acquire(key) if attempt == 0 else asyncio.wrap_future(self._submit(self._start_worker, key)))
+            try:
+                return await self._run_on(worker, program, limits)
+            except _ContainerGone:
+                if attempt:
+                    raise SandboxUnavailable("docker sandbox: containers die as soon as they start; see the engine log")
+        raise AssertionError("unreachable")
+
+    async def _run_on(self, worker: _Worker, program: Program, limits: Limits) -> Result:
+        """One run on one container; the container goes back to the pool only if the run left nothing."""
         loop = asyncio.get_running_loop()
         reusable = False
         try:

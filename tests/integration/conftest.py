@@ -1,0 +1,64 @@
+"""Session-wide real stack for integration tests: one tiny warm-started policy, one local Ray,
+one vLLM server (as an EngineActor) shared by every test that needs an engine."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from factory.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Small enough for 2 cores: a short warm start, 4 prompts x 4 completions per step.
+TEST_OVERRIDES = [
+    "model.sft_steps=120", "data.train_size=2000", "data.heldout_size=300",
+    "train.groups_per_step=4", "rollout.group_size=4", "train.steps=4", "train.checkpoint_every=2",
+    "eval.heldout=64", "train.threads=1",
+]
+
+
+def small_recipe(*extra: str):
+    return load_recipe(REPO / "recipes" / "default.yaml", TEST_OVERRIDES + list(extra))
+
+
+@pytest.fixture(scope="session")
+def recipe():
+    return small_recipe()
+
+
+@pytest.fixture(scope="session")
+def policy(recipe):
+    from factory.model.sft import ensure_base_policy
+
+    return ensure_base_policy(recipe)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    from factory.runtime.cluster import local_ray
+
+    with local_ray():
+        yield
+
+
+@pytest.fixture(scope="session")
+def engine(ray_cluster, recipe, policy, tmp_path_factory):
+    """One vLLM server for the session, behind the same actor the run loop uses."""
+    import ray
+
+    from factory.runtime.actors import EngineActor
+
+    log = tmp_path_factory.mktemp("engine") / "vllm.log"
+    actor = EngineActor.remote("vllm", str(policy), recipe.rollout, str(log))
+    ray.get(actor.start.remote())
+    yield actor
+    ray.get(actor.stop.remote())
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _offline():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

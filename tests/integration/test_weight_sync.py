@@ -1,0 +1,81 @@
+"""Weight sync into a real vLLM server, and vLLM's logprobs against the trainer's recomputation."""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from factory.rollout.engine import SamplingParams
+from factory.run import connect_broadcast, publish_weights
+from factory.runtime.actors import TrainerActor
+from factory.types import Batch, Group, Sample, Task
+
+from .conftest import small_recipe
+
+# bf16 serving vs fp32 training: per-token logprobs agree to about this much on the tiny model
+BF16_MEAN_TOL = 0.03
+BF16_MAX_TOL = 0.25
+
+
+def sample_engine(engine, tokenizer, question: str, n: int, tag: str) -> list[Sample]:
+    """n completions of one chat prompt straight from the engine, as Samples."""
+    from factory.model.tokens import encode_chat
+
+    prompt = encode_chat(tokenizer, [{"role": "user", "content": question}])
+    sp = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=[tokenizer.eos_token_id])
+    gens = ray.get([engine.generate.remote(prompt, sp, f"{tag}-{i}") for i in range(n)])
+    return [Sample(sample_id=f"{tag}-{i}", group_id=tag, task_id="t", prompt_ids=prompt,
+                   completion_ids=g.token_ids, logprobs=g.logprobs, loss_mask=[1] * len(g.token_ids),
+                   versions=g.versions) for i, g in enumerate(gens)]
+
+
+def diffs(samples: list[Sample], reference: list[list[float]]) -> torch.Tensor:
+    return torch.tensor([abs(a - b) for s, ref in zip(samples, reference) for a, b in zip(s.logprobs, ref)])
+
+
+def test_vllm_logprobs_match_trainer_then_broadcast_sync_is_exact(engine, policy, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    recipe = small_recipe("train.lr=1e-2")  # one big step, so old and new weights differ clearly
+    trainer = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
+    frozen = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
+    connect_broadcast([engine], trainer)
+    publish_weights([engine], trainer, 0, "broadcast", tmp_path)  # the shared server may hold other weights
+
+    # sampled-token logprobs of vLLM == the trainer's recomputation (same weights, bf16 vs fp32)
+    before = sample_engine(engine, tokenizer, "Calculate 12 + 34.", 16, "v0")
+    assert all(v == 0 for s in before for v in s.versions)
+    d0 = diffs(before, ray.get(trainer.logprobs.remote(before)))
+    assert d0.numel() > 16
+    assert d0.mean() < BF16_MEAN_TOL and d0.max() < BF16_MAX_TOL, (d0.mean(), d0.max())
+
+    # one optimizer step, then a gloo broadcast into the running server
+    for i, s in enumerate(before):
+        s.reward = float(i % 2)
+    ray.get(trainer.train_step.remote(Batch(0, [Group("g", Task("t", "basic_arithmetic", "q", "46"), before)])))
+    publish_weights([engine], trainer, 1, "broadcast", tmp_path)
+
+    after = sample_engine(engine, tokenizer, "Calculate 12 + 34.", 16, "v1")
+    assert all(v == 1 for s in after for v in s.versions)
+    d_new = diffs(after, ray.get(trainer.logprobs.remote(after)))
+    d_old = diffs(after, ray.get(frozen.logprobs.remote(after)))
+    assert d_new.mean() < BF16_MEAN_TOL and d_new.max() < BF16_MAX_TOL, (d_new.mean(), d_new.max())
+    assert d_old.mean() > 5 * max(float(d_new.mean()), 0.01), (d_old.mean(), d_new.mean())
+
+
+def test_disk_reload_fallback_matches_trainer(engine, policy, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    recipe = small_recipe("train.lr=1e-2", "rollout.weight_sync=disk")
+    trainer = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
+    first = sample_engine(engine, tokenizer, "Calculate 7 + 58.", 8, "d0")
+    for i, s in enumerate(first):
+        s.reward = float(i % 2)
+    ray.get(trainer.train_step.remote(Batch(0, [Group("g", Task("t", "basic_arithmetic", "q", "65"), first)])))
+    publish_weights([engine], trainer, 7, "disk", tmp_path / "weights")
+    after = sample_engine(engine, tokenizer, "Calculate 7 + 58.", 16, "d1")
+    assert all(v == 7 for s in after for v in s.versions)
+    d = diffs(after, ray.get(trainer.logprobs.remote(after)))
+    assert d.mean() < BF16_MEAN_TOL and d.max() < BF16_MAX_TOL, (d.mean(), d.max())
