@@ -141,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_recipe_check)
     sc = rsub.add_parser("schema", help="print the recipe JSON schema")
     sc.set_defaults(fn=cmd_recipe_schema)
+
+    from factory.lake.cli import add_lake_commands
+    from factory.sandbox.cli import add_sandbox_commands
+
+    add_lake_commands(sub)
+    add_sandbox_commands(sub)
     return p
 
 

@@ -13,7 +13,6 @@ generation may run ahead: 0 is synchronous, 1 one-step off-policy, k fully async
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import ray
 from factory.data.tasks import ReasoningGymSource
 from factory.model.sft import ensure_base_policy
 from factory.recipe import Recipe
+from factory.recording import RunRecorder
 from factory.runtime.actors import BufferActor, EngineActor, EnvWorkerActor, TrainerActor
 from factory.runtime.cluster import local_ray
 from factory.types import Batch
@@ -33,31 +33,6 @@ from factory.types import Batch
 class StepReport:
     step: int
     metrics: dict[str, float]
-
-
-class RunFiles:
-    """What a run leaves in its directory: recipe, metrics, trained samples, checkpoints, results."""
-
-    def __init__(self, run_dir: Path):
-        self.dir = run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = open(run_dir / "metrics.jsonl", "a")
-        self.samples = open(run_dir / "samples.jsonl", "a")
-
-    def log_step(self, step: int, metrics: dict[str, float]) -> None:
-        self.metrics.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.metrics.flush()
-
-    def log_batch(self, batch: Batch, step: int) -> None:
-        for s in batch.samples:
-            row = s.to_dict()
-            row.update(trained_step=step, trained_version=batch.version, staleness=batch.version - s.oldest_version)
-            self.samples.write(json.dumps(row) + "\n")
-        self.samples.flush()
-
-    def close(self) -> None:
-        self.metrics.close()
-        self.samples.close()
 
 
 def publish_weights(engines, trainer, version: int, mode: str, scratch: Path) -> float:
@@ -105,9 +80,17 @@ def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | N
     benchmarks share one vLLM server this way); they are given this run's weights first and are
     left running at the end. Without it the run starts and stops its own.
     """
-    phase = on_phase or (lambda _: None)
-    files = RunFiles(run_dir)
-    (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
+    record = RunRecorder(recipe, run_dir)
+    try:
+        results = _run(recipe, run_dir, record, on_step, on_phase or (lambda _: None), resume_from, engines)
+    except BaseException:
+        record.fail()
+        raise
+    record.finish(results)
+    return results
+
+
+def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, resume_from, engines) -> dict:
     t_start = time.time()
 
     phase("base policy (build + SFT warm start, cached)")
@@ -144,6 +127,7 @@ def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | N
         if recipe.eval.before:
             phase(f"evaluating the starting policy on {len(heldout)} held-out tasks")
             results["before"] = evaluate(workers, heldout, recipe, "before")
+            record.log_evaluation(version, version, "heldout", results["before"])
 
         phase("training")
         producing = [w.produce.remote() for w in workers]
@@ -157,19 +141,21 @@ def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | N
             metrics = ray.get(trainer.train_step.remote(batch))
             sync_s += (sync := publish_weights(engines, trainer, step, recipe.rollout.weight_sync, run_dir / "weights"))
             ray.get(buffer.set_version.remote(step))
-            files.log_batch(batch, step)
+            record.log_batch(batch, step)
             samples_done += len(batch.samples)
             elapsed = time.perf_counter() - t_train
             metrics.update(ray.get(buffer.metrics.remote()))
             metrics.update({"weightsync/seconds": sync, "perf/samples_per_s": samples_done / elapsed,
                             "perf/trainer_idle_fraction": wait_s / elapsed, "perf/elapsed_s": elapsed})
-            files.log_step(step, metrics)
+            record.log_step(step, metrics)
             if on_step:
                 on_step(StepReport(step, metrics))
             every = recipe.train.checkpoint_every
             if (every and step % every == 0) or step == recipe.train.steps:
                 extra = {"buffer": ray.get(buffer.state_dict.remote()), "step": step}
-                ray.get(trainer.save_checkpoint.remote(str(run_dir / "checkpoints" / f"step-{step:06d}"), extra))
+                ckpt = run_dir / "checkpoints" / f"step-{step:06d}"
+                ray.get(trainer.save_checkpoint.remote(str(ckpt), extra))
+                record.log_checkpoint(step, step, ckpt)
         train_s = time.perf_counter() - t_train
 
         phase("stopping rollouts")
@@ -179,11 +165,11 @@ def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | N
         if recipe.eval.after:
             phase(f"evaluating the trained policy on {len(heldout)} held-out tasks")
             results["after"] = evaluate(workers, heldout, recipe, "after")
+            record.log_evaluation(recipe.train.steps, recipe.train.steps, "heldout", results["after"])
         ray.get([w.close.remote() for w in workers])
         if own_engines:
             ray.get([e.stop.remote() for e in engines])
 
-    files.close()
     results.update({
         "steps": recipe.train.steps,
         "max_staleness": recipe.async_.max_staleness,
@@ -198,5 +184,4 @@ def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | N
         results["delta"] = a["mean"] - b["mean"]
         results["delta_stderr"] = (a["stderr"] ** 2 + b["stderr"] ** 2) ** 0.5
         results["improved_beyond_2se"] = results["delta"] > 2 * results["delta_stderr"]
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
     return results
