@@ -73,13 +73,15 @@ def measure(setting: str, commits: int, n_rows: int, progress: Progress) -> dict
         metadata_bytes = Path(table.metadata_location.removeprefix("file://")).stat().st_size
     ordered = sorted(latencies)
     return {
-        "setting": setting, "expire_every": expire_every, "manifest_merge": merge, "commits": commits, "rows_per_commit": n_rows,
+        "setting": setting, "expire_every": expire_every, "manifest_merge": merge, "commits": commits,
+        "rows_per_commit": n_rows,
         "mean_ms": 1000 * statistics.fmean(latencies), "p50_ms": 1000 * ordered[len(ordered) // 2],
         "p99_ms": 1000 * ordered[int(0.99 * (len(ordered) - 1))],
         "first50_mean_ms": 1000 * statistics.fmean(latencies[:WINDOW]),
         "last50_mean_ms": 1000 * statistics.fmean(latencies[-WINDOW:]),
         "rows_per_s": commits * n_rows / wall, "wall_s": wall, "snapshots_at_end": snapshots,
-        "metadata_json_bytes_at_end": metadata_bytes, "manifests_at_end": manifests, "retries": writer.metrics()["lake/retries"],
+        "metadata_json_bytes_at_end": metadata_bytes, "manifests_at_end": manifests,
+        "retries": writer.metrics()["lake/retries"],
         "latencies_ms": [round(1000 * x, 2) for x in latencies],
     }
 

@@ -101,7 +101,7 @@ def _by_run(schema: Schema) -> PartitionSpec:
 _TABLE_PROPERTIES = {
     # old metadata.json files are deleted on commit; otherwise every commit leaves one behind forever
     "write.metadata.delete-after-commit.enabled": "true",
-    "write.metadata.previous-versions-max": "20",
+    "write.metadata.previous-versions-max": "5",
     # merge small manifests once 20 pile up: each streamed commit adds one, and every later commit
     # and scan reads them all (bench/lake_commit.py: flat ~45 ms instead of 36 → 65 ms over 500)
     "commit.manifest-merge.enabled": "true",

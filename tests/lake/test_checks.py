@@ -72,3 +72,14 @@ def test_run_checks_reads_the_run_from_the_lake(catalog):
     assert {name: r.count for name, r in results.items()} == {
         "duplicate_sample_ids": 0, "staleness_violations": 1, "version_order_violations": 0}
     assert results["staleness_violations"].examples[0]["sample_id"] == "late"
+
+
+def test_lake_check_command_fails_on_a_violation(catalog, capsys):
+    from factory.lake.cli import main as lake_cli
+
+    with TrajectoryWriter(catalog, run_id="r") as writer:
+        writer.append("samples", _clean() + [sample_row("r", "late", versions=[0, -1, 0, 0], version=3)])
+    assert lake_cli(["lake", "check", "r", "--max-staleness", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL staleness_violations" in out and '"sample_id": "late"' in out and "ok  duplicate_sample_ids" in out
+    assert lake_cli(["lake", "check", "r", "--max-staleness", "3"]) == 0

@@ -171,3 +171,19 @@ def test_periodic_expiry_bounds_the_snapshot_count(catalog):
     assert writer.metrics()["lake/snapshots_expired"] == 7 + 10  # at commits 10 and 20, keeping 3
     assert len(table.metadata.snapshots) == 25 - 17
     assert sorted(r["step"] for r in table.scan().to_arrow().to_pylist()) == list(range(1, 26))
+
+
+def test_sample_rows_from_a_trained_batch(catalog):
+    from factory.lake import sample_rows
+    from factory.types import Batch, Group, Sample, Task
+
+    task = Task("t1", "arith", "1+1", "2")
+    samples = [Sample(f"s{i}", "g1", "t1", [1, 2], [3, 4, 5], [-0.1, 0.0, -0.2], [1, 0, 1], [i, -1, 4],
+                      reward=float(i), timings={"generate_s": 0.5}) for i in range(3)]
+    batch = Batch(version=5, groups=[Group("g1", task, samples)])
+    with TrajectoryWriter(catalog, run_id="r") as writer:
+        assert writer.append("samples", sample_rows(batch, "r", step=9)) == 3
+    back = sorted(_rows(catalog, "samples"), key=lambda r: r["sample_id"])
+    assert [(r["staleness"], r["trained_step"], r["trained_version"]) for r in back] == [
+        (5, 9, 5), (4, 9, 5), (3, 9, 5)]  # staleness = 5 − oldest sampled version i
+    assert back[2]["versions"] == [2, -1, 4] and json.loads(back[0]["timings"]) == {"generate_s": 0.5}

@@ -11,8 +11,9 @@ def append_many(home: str, worker: int, commits: int, rows_per_commit: int, out)
     from factory.lake import TrajectoryWriter, open_catalog
     from tests.lake.rows import sample_row
 
+    # frequent expiry keeps commits cheap and races expiry against the other writer's appends
     writer = TrajectoryWriter(open_catalog(), run_id="shared", batch_rows=10_000, flush_interval_s=60,
-                              expire_every=20)
+                              expire_every=10, keep_snapshots=2)
     for i in range(commits):
         writer.append("samples", [sample_row("shared", f"w{worker}-{i}-{j}", step=i)
                                   for j in range(rows_per_commit)])
