@@ -52,7 +52,8 @@ class TableSpec:
     key: tuple[str, ...]  # columns that identify a row: the writer commits each key once
     position: str | None = None  # column whose max is "how far this run got" (resume point)
     json_columns: tuple[str, ...] = ()  # string columns holding JSON (dicts are dumped on write)
-    now_columns: tuple[str, ...] = ()  # timestamp columns the writer fills with the commit time
+    now_columns: tuple[str, ...] = ()  # timestamp columns the writer fills with the append time
+    number_maps: tuple[str, ...] = ()  # map<string,double> columns: non-numeric values are dropped
     properties: dict[str, str] = field(default_factory=dict)
 
     @cached_property
@@ -142,7 +143,7 @@ TABLES: dict[str, TableSpec] = {
                          position="trained_step", json_columns=("timings", "info"),
                          now_columns=("written_at",), properties=_TABLE_PROPERTIES),
     "steps": TableSpec("steps", _STEPS, _by_run(_STEPS), key=("run_id", "step"), position="step",
-                       now_columns=("time",), properties=_TABLE_PROPERTIES),
+                       now_columns=("time",), number_maps=("metrics",), properties=_TABLE_PROPERTIES),
     "evaluations": TableSpec("evaluations", _EVALUATIONS, _by_run(_EVALUATIONS),
                              key=("run_id", "step", "suite"), position="step",
                              json_columns=("by_family",), now_columns=("time",),

@@ -211,6 +211,10 @@ class TrajectoryWriter:
             value = row.get(column)
             if value is not None and not isinstance(value, str):
                 row[column] = json.dumps(value, sort_keys=True, default=str)
+        for column in spec.number_maps:  # a step's metrics may carry a stray string or None
+            if isinstance(row.get(column), dict):
+                row[column] = {str(k): float(v) for k, v in row[column].items()
+                               if isinstance(v, (int, float))}
         for column in spec.now_columns:
             if row.get(column) is None:
                 row[column] = datetime.now(timezone.utc)

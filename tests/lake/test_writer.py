@@ -35,11 +35,14 @@ def test_samples_round_trip(catalog):
 
 
 def test_steps_round_trip_and_default_timestamp(catalog):
+    rows = [step_row("run-a", s) for s in (1, 2)]
+    rows[1]["metrics"].update({"note": "skipped", "missing": None, "perf/count": 7, "flag": True})
     with TrajectoryWriter(catalog, run_id="run-a") as writer:
-        writer.append("steps", [step_row("run-a", s) for s in (1, 2)])
+        writer.append("steps", rows)
     back = sorted(_rows(catalog, "steps"), key=lambda r: r["step"])
     assert [r["step"] for r in back] == [1, 2]
-    assert dict(back[1]["metrics"]) == {"train/loss": 0.5, "rollout/reward_mean": pytest.approx(0.2)}
+    assert dict(back[1]["metrics"]) == {"train/loss": 0.5, "rollout/reward_mean": pytest.approx(0.2),
+                                        "perf/count": 7.0, "flag": 1.0}
     assert all(r["time"] is not None and r["time"].tzinfo is not None for r in back)
 
 
