@@ -13,7 +13,7 @@ import stat
 import threading
 import uuid
 from abc import ABC, abstractmethod
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Coroutine, Literal, TypeVar
@@ -195,6 +195,12 @@ def run_blocking(coro: Coroutine[object, object, T]) -> T:
             _loop = asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, name="factory-sandbox-loop", daemon=True).start()
     future: Future[T] = asyncio.run_coroutine_threadsafe(coro, _loop)
+    try:
+        while not future.done():
+            wait([future], timeout=0.1)  # wake up now and then: signals (Ctrl-C, test timeouts) get handled
+    except BaseException:
+        future.cancel()
+        raise
     return future.result()
 
 

@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from factory.sandbox.base import (
@@ -83,6 +83,7 @@ class _Worker:
     host: Path
     key: tuple
     cgroup: Cgroup | None
+    base: set[int] = field(default_factory=set)  # host pids of docker-init and the keeper
     runs: int = 0
 
     @property
@@ -163,6 +164,14 @@ class DockerSandbox(Sandbox):
             shutil.rmtree(host, ignore_errors=True)
             raise
         worker = _Worker(container, host, key, Cgroup.of_pid(container.attrs["State"]["Pid"]))
+        deadline = time.monotonic() + 10
+        while len(procs := self._procs(worker) or set()) != 2 and time.monotonic() < deadline:
+            time.sleep(0.005)  # docker-init has not started the keeper yet
+        if len(procs) != 2:
+            container.remove(force=True)
+            shutil.rmtree(host, ignore_errors=True)
+            raise SandboxUnavailable(f"docker sandbox container did not settle to init + keeper (has {len(procs)})")
+        worker.base = procs
         with self._lock:
             self._live[worker.id] = worker
             closed = self._closed
@@ -199,7 +208,7 @@ class DockerSandbox(Sandbox):
                 idle = self._idle.get(key, [])
                 while idle:
                     worker = idle.pop()
-                    if worker.cgroup is None or len(worker.cgroup.procs()) == 2:
+                    if worker.cgroup is None or set(worker.cgroup.procs()) == worker.base:
                         return worker
                     dead.append(worker)  # died while idle (its keeper was killed, or the engine restarted)
         finally:
@@ -272,17 +281,22 @@ class DockerSandbox(Sandbox):
         output = api.exec_start(exec_id) or b""
         return api.exec_inspect(exec_id).get("ExitCode"), output
 
+    def _procs(self, worker: _Worker) -> set[int] | None:
+        """Host pids of the container's processes (None if the engine cannot say)."""
+        if worker.cgroup is not None:
+            return set(worker.cgroup.procs())
+        try:
+            top = self.client.api.top(worker.id)
+        except Exception:
+            return None
+        column = top["Titles"].index("PID")
+        return {int(row[column]) for row in top.get("Processes") or []}
+
     def _clean(self, worker: _Worker) -> bool:
-        """True if exactly docker-init and the keeper are left in the container (the run left nothing)."""
-        for attempt in range(4):
-            if worker.cgroup is not None:
-                count = len(worker.cgroup.procs())
-            else:
-                try:
-                    count = len(self.client.api.top(worker.id).get("Processes") or [])
-                except Exception:
-                    return False
-            if count == 2:
+        """True if exactly the container's own docker-init and keeper are left (the run left nothing, and
+        did not kill the keeper: a count alone would take a dying init plus a survivor for them)."""
+        for _ in range(4):
+            if self._procs(worker) == worker.base:
                 return True
             time.sleep(0.005)  # the run's last processes may still be on their way out
         return False

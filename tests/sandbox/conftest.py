@@ -15,8 +15,11 @@ import pytest
 
 from factory.sandbox import SandboxUnavailable, make_sandbox
 from factory.sandbox.base import SANDBOX_UID
+from factory.sandbox.bubblewrap import BubblewrapSandbox
+from factory.sandbox.images import load_spec
 
-BACKENDS = ["bubblewrap", "docker"]
+# bubblewrap-hostfs: bubblewrap without a built image rootfs (read-only binds of the host's /usr, /lib, /etc subset)
+BACKENDS = ["bubblewrap", "bubblewrap-hostfs", "docker"]
 _CONTAINER_ID = re.compile(r"[0-9a-f]{64}")
 
 
@@ -41,7 +44,10 @@ def sandbox(request, sandboxes):
     backend = request.param
     if backend not in sandboxes:
         try:
-            sandboxes[backend] = make_sandbox(backend)
+            if backend == "bubblewrap-hostfs":
+                sandboxes[backend] = BubblewrapSandbox(rootfs=None, default_limits=load_spec("python").limits)
+            else:
+                sandboxes[backend] = make_sandbox(backend)
             if backend == "docker":
                 asyncio.run(sandboxes[backend].warm(2))
         except SandboxUnavailable as err:
@@ -87,9 +93,10 @@ def leftovers(sandbox, baseline: set[int], cgroups_before: set[str]) -> list[str
         sandbox.settle()
         idle = {w.id: w for w in sandbox.idle_workers()}
         for worker in idle.values():
-            procs = worker.cgroup.procs() if worker.cgroup else []
-            if len(procs) != 2:
-                problems.append(f"warm container {worker.id[:12]} runs {len(procs)} processes, want 2 (init, keeper)")
+            procs = set(worker.cgroup.procs()) if worker.cgroup else set()
+            if procs != worker.base:
+                problems.append(f"warm container {worker.id[:12]} runs {sorted(procs)}, want its init and keeper "
+                                f"{sorted(worker.base)}")
         listed = {c.id for c in sandbox.containers()}
         if listed != set(idle):
             problems.append(f"containers {sorted(i[:12] for i in listed - set(idle))} exist but are not in the warm pool")

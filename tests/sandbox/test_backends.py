@@ -117,3 +117,22 @@ def test_docker_containers_of_a_killed_client_are_reaped():
     finally:
         reaper.close()
 
+
+
+@pytest.mark.parametrize("cgroup_visible", [True, False])
+def test_docker_replaces_warm_containers_that_died(cgroup_visible):
+    """A warm container whose keeper died (killed outside, engine hiccup) is never handed a program."""
+    sandbox = _docker_or_skip()
+    import asyncio
+
+    try:
+        asyncio.run(sandbox.warm(2))
+        for worker in sandbox.idle_workers():
+            worker.container.kill()
+            if not cgroup_visible:
+                worker.cgroup = None  # as with a remote engine: the exec itself finds the container gone
+        result = sandbox.run_sync(Program.python("print('fine')"))
+        assert (result.reason, result.stdout) == ("ok", "fine\n"), result
+    finally:
+        sandbox.close()
+    assert sandbox.containers() == []
