@@ -1,0 +1,40 @@
+"""The code location's entry point: `dagster dev -m assets.definitions` (or `python -m assets`).
+
+    task_dataset ─▶ base_policy ─▶ rl_run[rl_runs] ─▶ evaluation[rl_runs]      sandbox_image[name]
+                                   + samples checks                             + sandbox_health
+
+Jobs: rl_run_job, evaluation_job.
+Resources by deployment ($FACTORY_DEPLOYMENT: local | production), see `assets.resources`.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from assets.checks import samples_checks
+from assets.data import task_dataset
+from assets.evaluation import evaluation
+from assets.policy import base_policy
+from assets.resources import resources_for
+from assets.runs import EVALUATION_KEY, KIND_TAG, RL_RUN_KEY, RL_RUNS
+from assets.sandboxes import sandbox_health, sandbox_image
+from assets.training import rl_run
+
+# RL runs are relaunched by rl_run_recovery (from their last checkpoint, with ancestry tags), never
+# by Dagster's generic run retries, which would race it.
+rl_run_job = dg.define_asset_job(
+    "rl_run_job", selection=dg.AssetSelection.assets(RL_RUN_KEY), partitions_def=RL_RUNS,
+    tags={KIND_TAG: "rl_run", "dagster/max_retries": "0"},
+    description="Train one rl_runs partition, then check its samples in the lake.",
+)
+evaluation_job = dg.define_asset_job(
+    "evaluation_job", selection=dg.AssetSelection.assets(EVALUATION_KEY), partitions_def=RL_RUNS,
+    tags={KIND_TAG: "evaluation"}, description="Evaluate a checkpoint of one rl_runs partition.",
+)
+
+defs = dg.Definitions(
+    assets=[task_dataset, base_policy, rl_run, evaluation, sandbox_image],
+    asset_checks=[*samples_checks(), sandbox_health],
+    jobs=[rl_run_job, evaluation_job],
+    resources=resources_for(),
+)

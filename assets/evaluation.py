@@ -1,0 +1,69 @@
+"""Evaluations: a checkpoint of an RL run (by default its latest) on held-out tasks, while the run
+may still be training. Scores go to the lake's `evaluations` table, the run's MLflow run and the
+asset's metadata."""
+
+import json
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field
+
+from assets.resources import LakeResource, RayResource, TrackingResource
+from assets.runs import EVALUATION_KEY, KIND_TAG, RL_RUN_KEY, RL_RUNS, latest_checkpoint, run_dir, saved_recipe, user_error
+
+
+class EvaluationConfig(dg.Config):
+    checkpoint: str = Field("", description="checkpoint dir; empty: the run's latest")
+    suite: str = Field("heldout", description="evaluation suite")
+    n: int = Field(0, ge=0, description="tasks to evaluate; 0: the recipe's eval.heldout")
+
+
+def evaluate_checkpoint(recipe, checkpoint: Path, suite: str, n: int | None) -> dict:
+    """{mean, stderr, n, by_family} of `checkpoint` on `suite` — factory's job, called here only."""
+    try:
+        from factory.evaluate import evaluate_checkpoint as evaluate
+    except ImportError:
+        raise user_error("evaluating a checkpoint needs factory.evaluate.evaluate_checkpoint(recipe, checkpoint, "
+                         "suite, n), which this version of factory does not have") from None
+    return evaluate(recipe, checkpoint, suite=suite, n=n)
+
+
+@dg.asset(key=EVALUATION_KEY, partitions_def=RL_RUNS, group_name="evaluation", deps=[RL_RUN_KEY],
+          kinds={"ray"}, pool="evaluation", op_tags={KIND_TAG: "evaluation"})
+def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake: LakeResource,
+               tracking: TrackingResource, ray: RayResource) -> dg.MaterializeResult:
+    """Held-out accuracy of one checkpoint of the run (its latest unless configured)."""
+    key = context.partition_key
+    directory = run_dir(key)
+    recipe = tracking.configure(lake.configure(saved_recipe(directory)))
+    checkpoint = Path(config.checkpoint) if config.checkpoint else latest_checkpoint(directory)
+    if checkpoint is None:
+        raise user_error(f"run {key} has no checkpoint yet ({directory / 'checkpoints'})")
+    state_file = checkpoint / "state.json"
+    if not state_file.is_file():
+        raise user_error(f"checkpoint: {checkpoint} is not a checkpoint (no state.json)")
+    state = json.loads(state_file.read_text())
+    step, version = int(state.get("step", state["version"])), int(state["version"])
+
+    with ray.session():
+        result = evaluate_checkpoint(recipe, checkpoint, config.suite, config.n or None)
+    context.log.info(f"{key} step {step}: {config.suite} accuracy {result['mean']:.3f} ± {result['stderr']:.3f}")
+
+    if recipe.lake.enabled:
+        with lake.writer(recipe, run_id=key) as writer:
+            writer.append("evaluations", [{
+                "run_id": key, "step": step, "version": version, "suite": config.suite, "n": result["n"],
+                "mean": result["mean"], "stderr": result["stderr"], "by_family": json.dumps(result["by_family"]),
+            }])
+    mlflow_run = tracking.find_run(recipe, key)
+    if mlflow_run:
+        tracker = tracking.tracker(recipe)
+        tracker.run_id = mlflow_run  # log beside the run's own metrics, without reopening it
+        tracker.log_metrics(step, {f"eval/{config.suite}_mean": result["mean"],
+                                   f"eval/{config.suite}_stderr": result["stderr"]})
+    return dg.MaterializeResult(metadata={
+        "accuracy": result["mean"], "stderr": result["stderr"], "n": result["n"], "suite": config.suite,
+        "step": step, "checkpoint": dg.MetadataValue.path(str(checkpoint)),
+        "by_family": dg.MetadataValue.json(result["by_family"]),
+        **({"mlflow_run_id": mlflow_run} if mlflow_run else {}),
+    })

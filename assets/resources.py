@@ -1,0 +1,132 @@
+"""Resources: the lake, MLflow tracking and Ray, injected into assets and swapped by deployment.
+
+`FACTORY_DEPLOYMENT=local` (default) is the embedded stack: a SQLite Iceberg catalog and a SQLite
+MLflow store under the state dir, and a loopback Ray started by each run. `production` reads the
+servers from the environment: FACTORY_LAKE_CATALOG_URI and FACTORY_LAKE_WAREHOUSE (a REST Iceberg
+catalog), MLFLOW_TRACKING_URI and RAY_ADDRESS. Only configuration changes, never code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import dagster as dg
+from pydantic import Field
+
+from factory.recipe import Recipe
+
+DEPLOYMENT_ENV = "FACTORY_DEPLOYMENT"
+
+
+class LakeResource(dg.ConfigurableResource):
+    """The Iceberg trajectory lake. Empty catalog fields: the embedded SQLite catalog under the state dir."""
+
+    catalog_type: str = Field("", description="PyIceberg catalog type (sql, rest, glue, hive); empty: embedded")
+    catalog_uri: str = Field("", description="catalog URI, e.g. http://iceberg-rest:8181")
+    warehouse: str = Field("", description="warehouse location, e.g. s3://bucket/lake")
+    properties: dict[str, str] = Field({}, description="further PyIceberg catalog properties")
+    namespace: str = Field("", description="table namespace; empty: the recipe's lake.namespace")
+
+    def catalog_props(self) -> dict[str, str]:
+        """Catalog properties for `factory.lake.open_catalog` ({} means the embedded default)."""
+        props = dict(self.properties)
+        for key, value in (("type", self.catalog_type), ("uri", self.catalog_uri), ("warehouse", self.warehouse)):
+            if value:
+                props[key] = value
+        return props
+
+    def namespace_for(self, recipe: Recipe | None = None) -> str:
+        from factory.lake import NAMESPACE
+
+        return self.namespace or (recipe.lake.namespace if recipe is not None else NAMESPACE)
+
+    def catalog(self, recipe: Recipe | None = None):
+        from factory.lake import open_catalog
+
+        return open_catalog(self.catalog_props() or None, namespace=self.namespace_for(recipe))
+
+    def writer(self, recipe: Recipe | None = None, run_id: str | None = None):
+        """A TrajectoryWriter on this lake (use as a context manager: closing commits what is pending)."""
+        from factory.lake import TrajectoryWriter
+
+        return TrajectoryWriter(self.catalog(recipe), self.namespace_for(recipe), run_id=run_id)
+
+    def configure(self, recipe: Recipe) -> Recipe:
+        """A copy of `recipe` that writes to this lake (the deployment's catalog wins over the recipe's)."""
+        recipe = recipe.model_copy(deep=True)
+        if self.catalog_props():
+            recipe.lake.catalog = self.catalog_props()
+        if self.namespace:
+            recipe.lake.namespace = self.namespace
+        return recipe
+
+
+class TrackingResource(dg.ConfigurableResource):
+    """MLflow. Empty uri: the recipe's tracking.uri, else $MLFLOW_TRACKING_URI, else SQLite under the state dir."""
+
+    uri: str = Field("", description="MLflow tracking URI, e.g. http://mlflow:5000")
+
+    def configure(self, recipe: Recipe) -> Recipe:
+        recipe = recipe.model_copy(deep=True)
+        if self.uri:
+            recipe.tracking.uri = self.uri
+        return recipe
+
+    def tracker(self, recipe: Recipe):
+        from factory.tracking import RunTracker
+
+        return RunTracker(self.uri or recipe.tracking.uri, recipe.tracking.experiment)
+
+    def find_run(self, recipe: Recipe, run_name: str) -> str | None:
+        """The MLflow run id of RL run `run_name`, or None when tracking is off or it never started."""
+        if not recipe.tracking.enabled:
+            return None
+        return self.tracker(recipe).find_run(run_name)
+
+
+class RayResource(dg.ConfigurableResource):
+    """Where runs get their Ray. Empty address: each run starts a local Ray bound to 127.0.0.1."""
+
+    address: str = Field("", description="a Ray cluster (ray://head:10001 or auto); empty: local Ray per run")
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Point `factory.runtime.cluster.local_ray` at the cluster (it reads RAY_ADDRESS) for one call."""
+        if not self.address:
+            yield
+            return
+        before = os.environ.get("RAY_ADDRESS")
+        os.environ["RAY_ADDRESS"] = self.address
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("RAY_ADDRESS", None)
+            else:
+                os.environ["RAY_ADDRESS"] = before
+
+
+def local_resources() -> dict[str, dg.ConfigurableResource]:
+    return {"lake": LakeResource(), "tracking": TrackingResource(), "ray": RayResource()}
+
+
+def production_resources() -> dict[str, dg.ConfigurableResource]:
+    return {
+        "lake": LakeResource(catalog_type="rest", catalog_uri=dg.EnvVar("FACTORY_LAKE_CATALOG_URI"),
+                             warehouse=dg.EnvVar("FACTORY_LAKE_WAREHOUSE")),
+        "tracking": TrackingResource(uri=dg.EnvVar("MLFLOW_TRACKING_URI")),
+        "ray": RayResource(address=dg.EnvVar("RAY_ADDRESS")),
+    }
+
+
+DEPLOYMENTS = {"local": local_resources, "production": production_resources}
+
+
+def resources_for(deployment: str | None = None) -> dict[str, dg.ConfigurableResource]:
+    """The resources of `deployment` (default: $FACTORY_DEPLOYMENT, else local)."""
+    name = deployment or os.environ.get(DEPLOYMENT_ENV) or "local"
+    if name not in DEPLOYMENTS:
+        raise ValueError(f"{DEPLOYMENT_ENV}={name!r}: choose one of {', '.join(DEPLOYMENTS)}")
+    return DEPLOYMENTS[name]()

@@ -1,0 +1,109 @@
+"""RL runs: one `rl_runs` partition per run, materialized by `factory.run.run`.
+
+A materialization of a partition whose run directory already holds checkpoints (and no results)
+continues from the latest one — so a relaunch after a crash, by hand or by the recovery sensor,
+resumes the same run directory, lake partition and MLflow run.
+"""
+
+import fcntl
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import dagster as dg
+from pydantic import Field
+
+from assets.policy import base_policy
+from assets.resources import LakeResource, RayResource, TrackingResource
+from assets.runs import (
+    KIND_TAG, RL_RUN_KEY, RL_RUNS, checkpoint_step, is_finished, latest_checkpoint, load_recipe_or_fail,
+    run_dir, saved_recipe, user_error,
+)
+
+
+class RLRunConfig(dg.Config):
+    recipe: str = Field("", description="recipe YAML; empty: the recipe saved in the run dir by sweep_job")
+    overrides: list[str] = Field([], description="dotted overrides, e.g. async.max_staleness=2")
+    resume_from: str = Field("", description="checkpoint dir to resume from; empty: the run dir's latest, if any")
+
+
+@contextmanager
+def exclusive(directory: Path) -> Iterator[None]:
+    """Hold a lock on the run directory: two processes must never train into one run."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            raise user_error(f"{directory}: another process is training this run (pid {handle.read().strip() or '?'})")
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+
+
+def _accuracy(results: dict, key: str) -> dict:
+    evaluation = results.get(key)
+    if not evaluation:
+        return {}
+    return {f"accuracy_{key}": evaluation["mean"], f"accuracy_{key}_stderr": evaluation["stderr"],
+            f"accuracy_{key}_n": evaluation["n"]}
+
+
+@dg.asset(key=RL_RUN_KEY, partitions_def=RL_RUNS, group_name="training", deps=[base_policy],
+          kinds={"ray", "pytorch"}, pool="trainer", op_tags={KIND_TAG: "rl_run"})
+def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeResource,
+           tracking: TrackingResource, ray: RayResource) -> dg.MaterializeResult:
+    """One RL run (`factory.run.run`): trains the recipe, evaluates before/after, records to lake and MLflow."""
+    from factory.run import run
+
+    key = context.partition_key
+    directory = run_dir(key)
+    recipe = load_recipe_or_fail(config.recipe, config.overrides) if config.recipe else saved_recipe(directory)
+    if recipe.sweep:
+        raise user_error(f"{config.recipe}: holds a sweep grid; launch it with sweep_job (one partition per point)")
+    if is_finished(directory):
+        raise user_error(f"run {key} already finished ({directory / 'results.json'}); "
+                         "add a new partition (sweep_job) to train again")
+    resume = Path(config.resume_from) if config.resume_from else latest_checkpoint(directory)
+    if resume is not None and not (resume / "state.json").is_file():
+        raise user_error(f"resume_from: {resume} is not a checkpoint (no state.json)")
+    recipe = tracking.configure(lake.configure(recipe))
+    every = max(1, recipe.train.steps // 20)
+
+    def on_step(report) -> None:
+        if report.step % every == 0 or report.step == recipe.train.steps:
+            m = report.metrics
+            context.log.info(f"step {report.step}/{recipe.train.steps} reward {m.get('rollout/reward_mean', 0):.3f} "
+                             f"{m.get('perf/samples_per_s', 0):.0f} samples/s staleness max {m.get('staleness/max', 0):.0f}")
+
+    if resume is not None:
+        context.log.info(f"resuming {key} from {resume} (step {checkpoint_step(resume)})")
+    with exclusive(directory), ray.session():
+        results = run(recipe, directory, on_step=on_step, on_phase=context.log.info, resume_from=resume)
+
+    metadata = {
+        "run_dir": dg.MetadataValue.path(str(directory)),
+        "recipe": recipe.name,
+        "fingerprint": recipe.fingerprint(),
+        "max_staleness": recipe.async_.max_staleness,
+        **_accuracy(results, "before"),
+        **_accuracy(results, "after"),
+        "samples_trained": results.get("samples_trained"),
+        "train_seconds": round(results.get("train_seconds", 0.0), 1),
+        "total_seconds": round(results.get("total_seconds", 0.0), 1),
+        "trainer_idle_fraction": results.get("trainer_idle_fraction"),
+        "resumed_from": str(resume) if resume else "",
+    }
+    if "delta" in results:
+        metadata.update(delta=results["delta"], delta_stderr=results["delta_stderr"],
+                        improved_beyond_2se=results["improved_beyond_2se"])
+    mlflow_run = tracking.find_run(recipe, key)
+    if mlflow_run:
+        metadata["mlflow_run_id"] = mlflow_run
+    context.log.info(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict)}, default=str))
+    return dg.MaterializeResult(metadata={k: v for k, v in metadata.items() if v is not None})
