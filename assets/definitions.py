@@ -3,7 +3,8 @@
     task_dataset ─▶ base_policy ─▶ rl_run[rl_runs] ─▶ evaluation[rl_runs]      sandbox_image[name]
                                    + samples checks                             + sandbox_health
 
-Jobs: rl_run_job, evaluation_job.
+Jobs: sweep_job (recipe × grid → rl_runs partitions), rl_run_job, evaluation_job. Sensor:
+rl_run_launcher (starts what a sweep planned).
 Resources by deployment ($FACTORY_DEPLOYMENT: local | production), see `assets.resources`.
 """
 
@@ -18,6 +19,7 @@ from assets.policy import base_policy
 from assets.resources import resources_for
 from assets.runs import EVALUATION_KEY, KIND_TAG, RL_RUN_KEY, RL_RUNS
 from assets.sandboxes import sandbox_health, sandbox_image
+from assets.sweeps import build_launch_sensor, sweep_job
 from assets.training import rl_run
 
 # RL runs are relaunched by rl_run_recovery (from their last checkpoint, with ancestry tags), never
@@ -35,6 +37,7 @@ evaluation_job = dg.define_asset_job(
 defs = dg.Definitions(
     assets=[task_dataset, base_policy, rl_run, evaluation, sandbox_image],
     asset_checks=[*samples_checks(), sandbox_health],
-    jobs=[rl_run_job, evaluation_job],
+    jobs=[sweep_job, rl_run_job, evaluation_job],
+    sensors=[build_launch_sensor(rl_run_job)],
     resources=resources_for(),
 )
