@@ -50,6 +50,8 @@ class RunRecorder:
             self.lake.append("samples", sample_rows(batch, self.run_id, step))
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        if self.lake is not None:
+            metrics = {**metrics, **self.lake.metrics()}
         self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.metrics_file.flush()
         if self.lake is not None:

@@ -142,3 +142,4 @@ class WeightReceiverExtension:
         """Sum of one parameter as the worker holds it (tests use it to see an update landed)."""
         params = dict(self.model_runner.get_model().named_parameters())
         return repr(float(params[name].float().sum()))
+

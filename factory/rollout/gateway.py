@@ -213,7 +213,10 @@ class Gateway:
         sock = socket.socket()
         sock.bind(("127.0.0.1", port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off")
+        # keep-alive longer than any pause between calls: a server closing an idle connection while the
+        # client reuses it is a ReadError for the episode (seen at 128 concurrent episodes)
+        config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=3600, backlog=4096)
         self._server = uvicorn.Server(config)
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -32,6 +32,24 @@ class EngineStartError(RuntimeError):
     pass
 
 
+# Kills a process group once its own parent is gone (polled: reparenting is the one signal that
+# does not depend on which thread started it). Why: Ray SIGKILLs actor processes on shutdown or
+# crash, and vLLM's engine core and worker outlive their API server (seen here), holding GBs.
+_GROUP_REAPER = (
+    "import os, signal, sys, time\n"
+    "pgid, parent = int(sys.argv[1]), os.getppid()\n"
+    "def reap(*_):\n"
+    "    try:\n"
+    "        os.killpg(pgid, signal.SIGKILL)\n"
+    "    finally:\n"
+    "        os._exit(0)\n"
+    "signal.signal(signal.SIGTERM, reap)\n"
+    "while os.getppid() == parent:\n"
+    "    time.sleep(1)\n"
+    "reap()\n"
+)
+
+
 class VLLMServer:
     """One `vllm.entrypoints.openai.api_server` process on loopback, in its own process group."""
 
@@ -60,17 +78,28 @@ class VLLMServer:
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_DO_NOT_TRACK": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+            # vllm_site/sitecustomize.py stops vLLM's queue readers from spinning (see its docstring)
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "vllm_site"), str(REPO_ROOT),
+                                                        os.environ.get("PYTHONPATH")])),
         })
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0) -> None:
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the server and a reaper that kills the server's process group if we die."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group, so stop() reaps the engine core too
         )
+        self.reaper = subprocess.Popen([sys.executable, "-S", "-c", _GROUP_REAPER, str(self.proc.pid)],
+                                       stdin=subprocess.DEVNULL, start_new_session=True)  # Ray kills actor groups
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -94,14 +123,23 @@ class VLLMServer:
             return ""
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        reaper = getattr(self, "reaper", None)
+        if reaper is not None and reaper.poll() is None:
+            reaper.kill()
+            reaper.wait(timeout=10)
+        if self.proc is None:
             return
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=20)
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.kill()
             self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+        try:  # the engine core and worker can outlive the API server: end the whole group
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
@@ -142,7 +180,8 @@ class VLLMEngine:
 
     async def start(self) -> None:
         if self._owns_server and self.server.proc is None:
-            await asyncio.to_thread(self.server.start, self.startup_timeout_s)
+            self.server.launch()
+            await asyncio.to_thread(self.server.wait_ready, self.startup_timeout_s)
 
     async def stop(self) -> None:
         if self._client is not None:

@@ -1,0 +1,40 @@
+"""Loaded at start-up by every process of a vLLM server we launch (its PYTHONPATH starts here).
+
+It makes vLLM's shared-memory queue readers sleep on their socket instead of spinning
+(sched_yield) for 1 s after every read. Under steady load they never stop spinning: on 2 cores
+py-spy showed ~70% of the worker's and ~80% of the engine core's CPU in that spin, CPU that the
+env workers and the trainer need. Patched when the module is first imported, in each process.
+"""
+
+import importlib.abc
+import importlib.util
+import sys
+
+_TARGET = "vllm.distributed.device_communicators.shm_broadcast"
+
+
+def _patch(module) -> None:
+    init = module.SpinCondition.__init__
+    if init.__defaults__ and init.__defaults__[-1] != 0:
+        init.__defaults__ = init.__defaults__[:-1] + (0,)  # busy_loop_s = 0
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name != _TARGET:
+            return None
+        sys.meta_path.remove(self)  # find the real module once, then wrap its loader
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return None
+        real_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            real_exec(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _PatchOnImport())

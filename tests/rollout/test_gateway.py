@@ -1,0 +1,125 @@
+"""Gateway token accounting: what the engine sees is exactly what the Sample records."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from factory.model.tiny import build_tokenizer
+from factory.model.tokens import encode_chat
+from factory.rollout.engine import Generation, SamplingParams
+from factory.rollout.gateway import Gateway, GatewayError
+from factory.types import NOT_SAMPLED
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    texts = ["Calculate 23 + 26.", "49", "run_python output: 7", "The answer is 12."] * 20
+    return build_tokenizer(texts, 290, tmp_path_factory.mktemp("tok"))
+
+
+class ScriptedEngine:
+    """Replies with fixed token ids and records every prompt it was sent (unit-test stand-in)."""
+
+    def __init__(self, replies: list[list[int]], version: int = 3, finish: str = "stop"):
+        self.replies = list(replies)
+        self.seen: list[list[int]] = []
+        self.version = version
+        self.finish = finish
+
+    async def generate(self, prompt_ids, sampling: SamplingParams, request_id: str) -> Generation:
+        self.seen.append(list(prompt_ids))
+        ids = self.replies.pop(0)
+        return Generation(ids, [-0.1 * (i + 1) for i in range(len(ids))], [self.version] * len(ids), self.finish,
+                          len(prompt_ids))
+
+
+def ids_of(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def test_single_turn_records_prompt_and_sampled_tokens(tokenizer):
+    end = tokenizer.eos_token_id
+    reply = ids_of(tokenizer, "49") + [end]
+    engine = ScriptedEngine([reply])
+    gw = Gateway(tokenizer, [engine], SamplingParams(max_new_tokens=8))
+    messages = [{"role": "user", "content": "Calculate 23 + 26."}]
+    out = asyncio.run(gw.chat("s1", {"messages": messages}))
+    assert out["choices"][0]["message"]["content"] == "49"
+    assert engine.seen == [encode_chat(tokenizer, messages)]
+    sample = gw.finish("s1", sample_id="s1", group_id="g", task_id="t", reward=1.0, env="single_turn")
+    assert sample.prompt_ids == engine.seen[0]
+    assert sample.completion_ids == reply
+    assert sample.loss_mask == [1] * len(reply)
+    assert sample.versions == [3] * len(reply)
+    assert sample.logprobs == pytest.approx([-0.1 * (i + 1) for i in range(len(reply))])
+    assert out["usage"] == {"prompt_tokens": len(engine.seen[0]), "completion_tokens": len(reply),
+                            "total_tokens": len(engine.seen[0]) + len(reply)}
+
+
+def test_multi_turn_is_token_in_token_out(tokenizer):
+    end = tokenizer.eos_token_id
+    first, second = ids_of(tokenizer, "23"), ids_of(tokenizer, "49") + [end]  # first reply hit the length limit
+    engine = ScriptedEngine([first, second], finish="length")
+    gw = Gateway(tokenizer, [engine], SamplingParams(max_new_tokens=8))
+    convo = [{"role": "user", "content": "Calculate 23 + 26."}]
+    r1 = asyncio.run(gw.chat("s", {"messages": convo}))
+    convo += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+              {"role": "tool", "content": "run_python output: 7"}]
+    asyncio.run(gw.chat("s", {"messages": convo}))
+    sample = gw.finish("s", sample_id="s", group_id="g", task_id="t", reward=0.0, env="tool")
+
+    # the second prompt is exactly the first prompt + what was sampled + the closing end token
+    # + only the new message's tokens: nothing earlier was re-tokenized
+    assert engine.seen[1][: len(engine.seen[0]) + len(first)] == engine.seen[0] + first
+    assert sample.prompt_ids + sample.completion_ids == engine.seen[1] + second
+    n_obs = len(engine.seen[1]) - len(engine.seen[0]) - len(first)
+    assert sample.loss_mask == [1] * len(first) + [0] * n_obs + [1] * len(second)
+    assert sample.versions == [3] * len(first) + [NOT_SAMPLED] * n_obs + [3] * len(second)
+    assert sample.logprobs[len(first): len(first) + n_obs] == [0.0] * n_obs
+    assert engine.seen[1][len(engine.seen[0]) + len(first)] == end  # unterminated reply closed by us
+    assert sample.turns == 2
+
+
+def test_diverged_conversation_and_n_are_refused(tokenizer):
+    engine = ScriptedEngine([ids_of(tokenizer, "1")])
+    gw = Gateway(tokenizer, [engine], SamplingParams(max_new_tokens=8))
+    asyncio.run(gw.chat("s", {"messages": [{"role": "user", "content": "Calculate 23 + 26."}]}))
+    with pytest.raises(GatewayError, match="diverged"):
+        asyncio.run(gw.chat("s", {"messages": [{"role": "user", "content": "something else"},
+                                               {"role": "user", "content": "more"}]}))
+    with pytest.raises(GatewayError, match="n must be 1"):
+        asyncio.run(gw.chat("t", {"messages": [{"role": "user", "content": "x"}], "n": 2}))
+    with pytest.raises(GatewayError, match="non-empty"):
+        asyncio.run(gw.chat("u", {"messages": []}))
+
+
+def test_openai_client_through_http(tokenizer):
+    from openai import AsyncOpenAI
+
+    end = tokenizer.eos_token_id
+    engine = ScriptedEngine([ids_of(tokenizer, "49") + [end]])
+    gw = Gateway(tokenizer, [engine], SamplingParams(max_new_tokens=8))
+
+    async def go():
+        await gw.serve()
+        try:
+            client = AsyncOpenAI(base_url=gw.base_url("h1"), api_key="x", max_retries=0)
+            reply = await client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "Calculate 23 + 26."}], max_tokens=4)
+            bad = None
+            try:
+                await client.chat.completions.create(model="policy", messages=[], max_tokens=4)
+            except Exception as err:  # openai raises BadRequestError for HTTP 400
+                bad = err
+            await client.close()
+            return reply, bad
+        finally:
+            await gw.close()
+
+    reply, bad = asyncio.run(go())
+    assert reply.choices[0].message.content == "49"
+    assert getattr(bad, "status_code", None) == 400
+    sample = gw.finish("h1", sample_id="h1", group_id="g", task_id="t", reward=1.0, env="e")
+    assert sample.completion_ids == ids_of(tokenizer, "49") + [end]
