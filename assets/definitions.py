@@ -3,8 +3,9 @@
     task_dataset ─▶ base_policy ─▶ rl_run[rl_runs] ─▶ evaluation[rl_runs]      sandbox_image[name]
                                    + samples checks                             + sandbox_health
 
-Jobs: sweep_job (recipe × grid → rl_runs partitions), rl_run_job, evaluation_job. Sensor:
-rl_run_launcher (starts what a sweep planned).
+Jobs: sweep_job (recipe × grid → rl_runs partitions), rl_run_job, evaluation_job. Sensors:
+rl_run_launcher (starts what a sweep planned), checkpoint_evaluation_sensor, rl_run_recovery
+(failed run → relaunch from the last checkpoint). Schedule: evaluation_schedule (hourly).
 Resources by deployment ($FACTORY_DEPLOYMENT: local | production), see `assets.resources`.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dagster as dg
 
+from assets.automation import build_checkpoint_sensor, build_evaluation_schedule, build_recovery_sensor
 from assets.checks import samples_checks
 from assets.data import task_dataset
 from assets.evaluation import evaluation
@@ -38,6 +40,8 @@ defs = dg.Definitions(
     assets=[task_dataset, base_policy, rl_run, evaluation, sandbox_image],
     asset_checks=[*samples_checks(), sandbox_health],
     jobs=[sweep_job, rl_run_job, evaluation_job],
-    sensors=[build_launch_sensor(rl_run_job)],
+    sensors=[build_launch_sensor(rl_run_job), build_checkpoint_sensor(evaluation_job),
+             build_recovery_sensor(rl_run_job)],
+    schedules=[build_evaluation_schedule(evaluation_job)],
     resources=resources_for(),
 )

@@ -12,7 +12,8 @@ def test_definitions_load_and_validate(defs):
     dg.Definitions.validate_loadable(defs)
     repo = defs.get_repository_def()
     assert {"sweep_job", "rl_run_job", "evaluation_job"} <= set(repo.job_names)
-    assert {s.name for s in repo.sensor_defs} == {"rl_run_launcher"}
+    assert {s.name for s in repo.sensor_defs} == {"rl_run_launcher", "checkpoint_evaluation_sensor", "rl_run_recovery"}
+    assert [s.name for s in repo.schedule_defs] == ["evaluation_schedule"]
     graph = defs.resolve_asset_graph()
     assert {k.to_user_string() for k in graph.get_all_asset_keys()} == {
         "task_dataset", "base_policy", "rl_run", "evaluation", "sandbox_image"}
