@@ -5,7 +5,9 @@
 Each level: a SandboxPool of that size (Docker: that many warm containers), a few unmeasured warm-up
 runs, then `--runs` executions of a one-line Python program by `concurrency` closed-loop workers.
 Latency is one `run` call (files written, sandbox set up, program run, output read, cleanup).
-Writes bench/results/sandbox.json and prints a side-by-side table.
+Writes bench/results/sandbox.json and prints a side-by-side table. Each cell records how many cores
+other work kept busy just before it (`other_work_busy_cores_before`): on a shared machine that is
+what moves the numbers most.
 Targets (issue 4): bubblewrap >= 80/s with p99 < 60 ms on 2 cores; Docker warm pool >= 12/s.
 """
 
@@ -43,6 +45,18 @@ class RateColumn(ProgressColumn):
         return Text(f"{task.speed:6.1f}/s" if task.speed else "", style="progress.data.speed")
 
 
+def busy_cores(seconds: float = 2.0) -> float:
+    """How many cores the machine's other work keeps busy (sampled from /proc/stat while we idle)."""
+    def busy_and_total() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields) - fields[3] - fields[4], sum(fields)  # all but idle and iowait
+
+    busy0, total0 = busy_and_total()
+    time.sleep(seconds)
+    busy1, total1 = busy_and_total()
+    return round((busy1 - busy0) / max(1, total1 - total0) * (os.cpu_count() or 1), 2)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -53,6 +67,7 @@ async def measure(backend: str, concurrency: int, runs: int, progress: Progress)
     sandbox = make_sandbox(backend)
     pool = SandboxPool(sandbox, size=concurrency, limits=LIMITS)
     task = progress.add_task(f"{backend} ×{concurrency}", total=runs)
+    background = busy_cores()
     try:
         await pool.start()
         await pool.run_many([PROGRAM] * (2 * concurrency))  # warm-up, not measured
@@ -81,7 +96,8 @@ async def measure(backend: str, concurrency: int, runs: int, progress: Progress)
         "runs": len(latencies), "seconds": round(elapsed, 3), "per_s": round(len(latencies) / elapsed, 2),
         "p50_ms": round(1000 * percentile(latencies, 0.50), 2), "p99_ms": round(1000 * percentile(latencies, 0.99), 2),
         "mean_ms": round(1000 * sum(latencies) / len(latencies), 2), "max_ms": round(1000 * max(latencies), 2),
-        "failures": failures, "load_1min_before": round(load_before, 2), "load_1min_after": round(os.getloadavg()[0], 2),
+        "failures": failures, "other_work_busy_cores_before": background,
+        "load_1min_before": round(load_before, 2), "load_1min_after": round(os.getloadavg()[0], 2),
     }
 
 

@@ -16,10 +16,10 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
-from typing import Coroutine, Literal, TypeVar
+from typing import Coroutine, Literal, TypeVar, get_args
 
 Reason = Literal["ok", "exit_nonzero", "timeout", "cpu", "memory", "pids", "output_limit", "killed"]
-REASONS: tuple[str, ...] = ("ok", "exit_nonzero", "timeout", "cpu", "memory", "pids", "output_limit", "killed")
+REASONS: tuple[str, ...] = get_args(Reason)
 
 SANDBOX_UID = 65534  # nobody: never the host's root, in either backend
 WORKDIR = "/work"  # the program's files and its working directory, in every backend
@@ -53,9 +53,11 @@ class Program:
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds on one run. `cpu_s` is total CPU time over all of the program's processes (None: no
+    """Bounds on one run. `memory_mb` covers the program's processes and its tmpfs /tmp and /dev/shm
+    (no swap); `pids` counts its processes; `cpu_s` is total CPU time over all of them (None: no
     budget beyond what `wall_s` × `cpus` allows); `cpus` caps the CPU rate; `output_bytes` caps stdout
-    and stderr each (and any single file the program writes)."""
+    and stderr each (and any single file the program writes). `network=True` gives the program the
+    host's network (bubblewrap) or Docker's bridge: only for trusted code."""
 
     wall_s: float = 10.0
     cpu_s: float | None = None

@@ -128,13 +128,18 @@ class DockerSandbox(Sandbox):
     # -- containers ------------------------------------------------------------------------------
     def reap_orphans(self) -> int:
         """Remove sandbox containers of this host whose owning process is gone; returns how many."""
+        import docker.errors
+
         removed = 0
         for container in self.client.containers.list(all=True, filters={"label": [f"{LABEL}.host={socket.gethostname()}"]}):
             pid, started = (container.labels.get(f"{LABEL}.owner", "").split(":") + ["", ""])[:2]
             if pid.isdigit() and _proc_start_time(int(pid)) == started and started != "None":
                 continue
-            container.remove(force=True)
-            removed += 1
+            try:
+                container.remove(force=True)
+                removed += 1
+            except docker.errors.APIError:
+                pass  # another reaper got there first
         return removed
 
     def _key(self, limits: Limits) -> tuple:
