@@ -55,6 +55,20 @@ def _train_with_progress(recipe, run_dir: Path) -> dict:
     )
     bar = progress.add_task("train", total=recipe.train.steps, reward=0.0, rate=0.0, stale=0.0, stale_max=0)
 
+    sft = Progress(TextColumn("[bold]SFT warm start {task.completed:>4.0f}/{task.total:.0f}"), BarColumn(),
+                   TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                   console=console)
+    sft_bar = None
+
+    def on_sft_step(done: int, total: int, loss: float) -> None:
+        nonlocal sft_bar
+        if sft_bar is None:
+            sft.start()
+            sft_bar = sft.add_task("sft", total=total, loss=loss)
+        sft.update(sft_bar, completed=done, loss=loss)
+        if done == total:
+            sft.stop()
+
     def on_phase(text: str) -> None:
         console.print(f"[cyan]»[/cyan] {text}")
 
@@ -66,8 +80,9 @@ def _train_with_progress(recipe, run_dir: Path) -> dict:
                         stale=m["staleness/mean"], stale_max=m["staleness/max"])
 
     try:
-        return run(recipe, run_dir, on_step=on_step, on_phase=on_phase)
+        return run(recipe, run_dir, on_step=on_step, on_phase=on_phase, on_sft_step=on_sft_step)
     finally:
+        sft.stop()
         progress.stop()
 
 

@@ -73,7 +73,7 @@ def evaluate(workers, tasks, recipe: Recipe, tag: str) -> dict:
 
 def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | None = None,
         on_phase: Callable[[str], None] | None = None, resume_from: Path | None = None,
-        engines: list | None = None) -> dict:
+        engines: list | None = None, on_sft_step: Callable[[int, int, float], None] | None = None) -> dict:
     """Train `recipe` end to end; returns the results also written to `run_dir/results.json`.
 
     `engines`: already-started EngineActors serving a model of the same architecture (tests and
@@ -82,7 +82,8 @@ def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | N
     """
     record = RunRecorder(recipe, run_dir)
     try:
-        results = _run(recipe, run_dir, record, on_step, on_phase or (lambda _: None), resume_from, engines)
+        results = _run(recipe, run_dir, record, on_step, on_phase or (lambda _: None), resume_from, engines,
+                       on_sft_step)
     except BaseException:
         record.fail()
         raise
@@ -90,11 +91,12 @@ def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | N
     return results
 
 
-def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, resume_from, engines) -> dict:
+def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, resume_from, engines,
+         on_sft_step) -> dict:
     t_start = time.time()
 
     phase("base policy (build + SFT warm start, cached)")
-    policy = resume_from or ensure_base_policy(recipe)
+    policy = resume_from or ensure_base_policy(recipe, on_sft_step)
     source = ReasoningGymSource.from_recipe(recipe.data)
     heldout = source.heldout[: recipe.eval.heldout]
 

