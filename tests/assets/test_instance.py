@@ -17,6 +17,8 @@ def test_embedded_instance_from_dagster_yaml(state, monkeypatch):
         assert instance.run_monitoring_enabled
         concurrency = instance.get_concurrency_config()
         assert concurrency.run_queue_config.max_concurrent_runs == 2
+        limits = {(t["key"], t["value"]): t["limit"] for t in concurrency.run_queue_config.tag_concurrency_limits}
+        assert limits == {("factory/kind", "rl_run"): 1, ("factory/kind", "evaluation"): 1}
         assert concurrency.pool_config.default_pool_limit == 1
         assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
         instance.add_dynamic_partitions("rl_runs", ["k"])  # storage works, and lives under the state dir
