@@ -19,8 +19,8 @@ def _samples_check(name: str, description: str, evaluate: Callable) -> dg.AssetC
         key = context.partition_key
         recipe = saved_recipe(run_dir(key))
         if not recipe.lake.enabled:
-            return dg.AssetCheckResult(passed=False, severity=dg.AssetCheckSeverity.WARN,
-                                       metadata={"reason": "the run's recipe has lake.enabled: false; nothing to check"})
+            reason = "the run's recipe has lake.enabled: false; nothing to check"
+            return dg.AssetCheckResult(passed=False, severity=dg.AssetCheckSeverity.WARN, metadata={"reason": reason})
         samples = load_samples(key, lake.catalog(recipe), lake.namespace_for(recipe))
         result = evaluate(samples, key, recipe)
         return dg.AssetCheckResult(passed=result.passed, metadata={

@@ -9,7 +9,9 @@ import dagster as dg
 from pydantic import Field
 
 from assets.resources import LakeResource, RayResource, TrackingResource
-from assets.runs import EVALUATION_KEY, KIND_TAG, RL_RUN_KEY, RL_RUNS, latest_checkpoint, run_dir, saved_recipe, user_error
+from assets.runs import (
+    EVALUATION_KEY, KIND_TAG, RL_RUN_KEY, RL_RUNS, latest_checkpoint, run_dir, saved_recipe, user_error,
+)
 
 
 class EvaluationConfig(dg.Config):

@@ -78,8 +78,10 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
     def on_step(report) -> None:
         if report.step % every == 0 or report.step == recipe.train.steps:
             m = report.metrics
-            context.log.info(f"step {report.step}/{recipe.train.steps} reward {m.get('rollout/reward_mean', 0):.3f} "
-                             f"{m.get('perf/samples_per_s', 0):.0f} samples/s staleness max {m.get('staleness/max', 0):.0f}")
+            context.log.info(f"step {report.step}/{recipe.train.steps} "
+                             f"reward {m.get('rollout/reward_mean', 0):.3f} "
+                             f"{m.get('perf/samples_per_s', 0):.0f} samples/s "
+                             f"staleness max {m.get('staleness/max', 0):.0f}")
 
     if resume is not None:
         context.log.info(f"resuming {key} from {resume} (step {checkpoint_step(resume)})")

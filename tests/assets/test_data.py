@@ -13,7 +13,8 @@ def test_task_dataset_writes_the_tasks_table(instance):
     metadata = result.asset_materializations_for_node("task_dataset")[0].metadata
     assert (metadata["train"].value, metadata["heldout"].value, metadata["new_rows"].value) == (24, 8, 32)
     assert metadata["counts"].value == {"heldout/basic_arithmetic": 8, "train/basic_arithmetic": 24}
-    rows = sql("SELECT split, count(*) AS n, count(DISTINCT task_id) AS ids FROM tasks GROUP BY 1 ORDER BY 1").to_pylist()
+    query = "SELECT split, count(*) AS n, count(DISTINCT task_id) AS ids FROM tasks GROUP BY 1 ORDER BY 1"
+    rows = sql(query).to_pylist()
     assert rows == [{"split": "heldout", "n": 8, "ids": 8}, {"split": "train", "n": 24, "ids": 24}]
 
     again = dg.materialize([task_dataset], instance=instance, resources=local_resources(), run_config=SMALL)
