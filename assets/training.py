@@ -83,10 +83,17 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
                              f"{m.get('perf/samples_per_s', 0):.0f} samples/s "
                              f"staleness max {m.get('staleness/max', 0):.0f}")
 
+    sft_every = max(1, recipe.model.sft_steps // 10)
+
+    def on_sft_step(step: int, total: int, loss: float) -> None:
+        if step % sft_every == 0 or step == total:
+            context.log.info(f"SFT warm start step {step}/{total} loss {loss:.4f}")
+
     if resume is not None:
         context.log.info(f"resuming {key} from {resume} (step {checkpoint_step(resume)})")
     with exclusive(directory), ray.session():
-        results = run(recipe, directory, on_step=on_step, on_phase=context.log.info, resume_from=resume)
+        results = run(recipe, directory, on_step=on_step, on_phase=context.log.info, resume_from=resume,
+                      on_sft_step=on_sft_step)
 
     metadata = {
         "run_dir": dg.MetadataValue.path(str(directory)),
