@@ -132,6 +132,21 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_evaluate(args) -> int:
+    from factory.evaluate import evaluate_checkpoint
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        result = evaluate_checkpoint(recipe, args.checkpoint, args.suite, args.n)
+    except RecipeError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(str(err))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="factory", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -147,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*")
     s.add_argument("--dry-run", action="store_true", help="list the grid points only")
     s.set_defaults(fn=cmd_sweep)
+
+    ev = sub.add_parser("evaluate", help="sampled held-out accuracy of a checkpoint (its own vLLM engine)")
+    ev.add_argument("recipe")
+    ev.add_argument("checkpoint", help="a model dir, e.g. <run dir>/checkpoints/step-000200")
+    ev.add_argument("overrides", nargs="*")
+    ev.add_argument("--suite", default="heldout", choices=["heldout", "train"])
+    ev.add_argument("--n", type=int, default=None, help="tasks to evaluate (default: eval.heldout)")
+    ev.set_defaults(fn=cmd_evaluate)
 
     rc = sub.add_parser("recipe", help="check recipes, print the schema")
     rsub = rc.add_subparsers(dest="recipe_command", required=True)

@@ -21,6 +21,7 @@ from typing import Callable
 import ray
 
 from factory.data.tasks import ReasoningGymSource
+from factory.evaluate import evaluate_workers
 from factory.model.sft import ensure_base_policy
 from factory.recipe import Recipe
 from factory.recording import RunRecorder
@@ -35,17 +36,23 @@ class StepReport:
     metrics: dict[str, float]
 
 
-def publish_weights(engines, trainer, version: int, mode: str, scratch: Path) -> float:
-    """Drain the engines, move the trainer's weights into them, and open them at `version`."""
+def publish_weights(engines, trainer, version: int, mode: str, scratch: Path) -> dict[str, float]:
+    """Drain the engines, move the trainer's weights into them, and open them at `version`.
+
+    Returns the seconds of each phase under `weightsync/…` names."""
     t0 = time.perf_counter()
     ray.get([e.begin_update.remote() for e in engines])
+    t1 = time.perf_counter()
     if mode == "broadcast":
         ray.get([trainer.broadcast.remote()] + [e.receive_broadcast.remote() for e in engines])
     else:
         path = ray.get(trainer.save_hf.remote(str(scratch)))
         ray.get([e.load_from_disk.remote(path) for e in engines])
+    t2 = time.perf_counter()
     ray.get([e.end_update.remote(version) for e in engines])
-    return time.perf_counter() - t0
+    t3 = time.perf_counter()
+    return {"weightsync/seconds": t3 - t0, "weightsync/drain_s": t1 - t0, "weightsync/transfer_s": t2 - t1,
+            "weightsync/reopen_s": t3 - t2}
 
 
 def connect_broadcast(engines, trainer) -> None:
@@ -57,18 +64,6 @@ def connect_broadcast(engines, trainer) -> None:
     world = len(engines) + 1
     ray.get([trainer.init_broadcast.remote("127.0.0.1", port, world)]
             + [e.init_broadcast.remote("127.0.0.1", port, i + 1, world, plan) for i, e in enumerate(engines)])
-
-
-def evaluate(workers, tasks, recipe: Recipe, tag: str) -> dict:
-    shards = [tasks[i:: len(workers)] for i in range(len(workers))]
-    parts = ray.get([w.evaluate.remote(s, recipe.eval.temperature, recipe.rollout.max_new_tokens, f"{tag}-{i}")
-                     for i, (w, s) in enumerate(zip(workers, shards))])
-    if len(parts) == 1:
-        return parts[0]
-    n = sum(p["n"] for p in parts)
-    mean = sum(p["mean"] * p["n"] for p in parts) / n
-    stderr = sum((p["stderr"] * p["n"]) ** 2 for p in parts) ** 0.5 / n
-    return {"mean": mean, "stderr": stderr, "n": n, "by_family": parts[0]["by_family"]}
 
 
 def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | None = None,
@@ -128,7 +123,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         results: dict = {"run_dir": str(run_dir), "recipe": recipe.name, "policy": str(policy)}
         if recipe.eval.before:
             phase(f"evaluating the starting policy on {len(heldout)} held-out tasks")
-            results["before"] = evaluate(workers, heldout, recipe, "before")
+            results["before"] = evaluate_workers(workers, heldout, recipe, "before")
             record.log_evaluation(version, version, "heldout", results["before"])
 
         phase("training")
@@ -141,13 +136,15 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
             batch = ray.get(buffer.get_batch.remote())
             wait_s += time.perf_counter() - t0
             metrics = ray.get(trainer.train_step.remote(batch))
-            sync_s += (sync := publish_weights(engines, trainer, step, recipe.rollout.weight_sync, run_dir / "weights"))
+            sync = publish_weights(engines, trainer, step, recipe.rollout.weight_sync, run_dir / "weights")
+            sync_s += sync["weightsync/seconds"]
             ray.get(buffer.set_version.remote(step))
             record.log_batch(batch, step)
             samples_done += len(batch.samples)
             elapsed = time.perf_counter() - t_train
             metrics.update(ray.get(buffer.metrics.remote()))
-            metrics.update({"weightsync/seconds": sync, "perf/samples_per_s": samples_done / elapsed,
+            metrics.update(sync)
+            metrics.update({"perf/samples_per_s": samples_done / elapsed,
                             "perf/trainer_idle_fraction": wait_s / elapsed, "perf/elapsed_s": elapsed})
             record.log_step(step, metrics)
             if on_step:
@@ -166,7 +163,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         ray.get(producing)
         if recipe.eval.after:
             phase(f"evaluating the trained policy on {len(heldout)} held-out tasks")
-            results["after"] = evaluate(workers, heldout, recipe, "after")
+            results["after"] = evaluate_workers(workers, heldout, recipe, "after")
             record.log_evaluation(recipe.train.steps, recipe.train.steps, "heldout", results["after"])
         ray.get([w.close.remote() for w in workers])
         if own_engines:

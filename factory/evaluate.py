@@ -1,0 +1,68 @@
+"""Held-out evaluation: sampled accuracy of a policy on a task suite, with its standard error.
+
+`evaluate_workers` is what the run loop calls with its own env workers; `evaluate_checkpoint`
+stands up its own engine and env worker, so a checkpoint can be scored while training goes on
+(the Dagster evaluation asset, schedule and sensor call it).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import ray
+
+from factory.data.tasks import ReasoningGymSource
+from factory.recipe import Recipe
+from factory.runtime.actors import EngineActor, EnvWorkerActor
+from factory.runtime.cluster import local_ray
+
+SUITES = ("heldout", "train")
+
+
+def evaluate_workers(workers, tasks, recipe: Recipe, tag: str) -> dict:
+    """One episode per task, sharded over `workers`; mean reward ± standard error, per family."""
+    shards = [tasks[i:: len(workers)] for i in range(len(workers))]
+    parts = ray.get([w.evaluate.remote(s, recipe.eval.temperature, recipe.rollout.max_new_tokens, f"{tag}-{i}")
+                     for i, (w, s) in enumerate(zip(workers, shards)) if s])
+    if len(parts) == 1:
+        return parts[0]
+    n = sum(p["n"] for p in parts)
+    mean = sum(p["mean"] * p["n"] for p in parts) / n
+    stderr = sum((p["stderr"] * p["n"]) ** 2 for p in parts) ** 0.5 / n
+    families: dict[str, float] = {}
+    for f in {f for p in parts for f in p["by_family"]}:
+        weighted = [(p["by_family"][f], p["n"]) for p in parts if f in p["by_family"]]
+        families[f] = sum(v * k for v, k in weighted) / sum(k for _, k in weighted)
+    return {"mean": mean, "stderr": stderr, "n": n, "by_family": families}
+
+
+def suite_tasks(recipe: Recipe, suite: str = "heldout", n: int | None = None):
+    if suite not in SUITES:
+        raise ValueError(f"suite: unknown {suite!r}; choose one of {list(SUITES)}")
+    source = ReasoningGymSource.from_recipe(recipe.data)
+    tasks = source.heldout if suite == "heldout" else source.train
+    return tasks[: n or recipe.eval.heldout]
+
+
+def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "heldout", n: int | None = None,
+                        engines: list | None = None) -> dict:
+    """Score the policy saved at `checkpoint` (an HF model dir) on `suite` with its own engine."""
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "config.json").is_file():
+        raise FileNotFoundError(f"{checkpoint}: not a model directory (no config.json)")
+    tasks = suite_tasks(recipe, suite, n)
+    with local_ray(), tempfile.TemporaryDirectory(prefix="factory-eval-") as tmp:
+        own = engines is None
+        if own:
+            engines = [EngineActor.remote(recipe.rollout.engine, str(checkpoint), recipe.rollout,
+                                          str(Path(tmp) / "engine.log"))]
+            ray.get([e.start.remote() for e in engines])
+        worker = EnvWorkerActor.remote(str(checkpoint), recipe.environment, recipe.rollout, engines, None)
+        try:
+            ray.get(worker.start.remote())
+            return evaluate_workers([worker], tasks, recipe, f"eval-{suite}")
+        finally:
+            ray.get(worker.close.remote())
+            if own:
+                ray.get([e.stop.remote() for e in engines])
