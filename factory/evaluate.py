@@ -47,7 +47,10 @@ def suite_tasks(recipe: Recipe, suite: str = "heldout", n: int | None = None):
 
 def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "heldout", n: int | None = None,
                         engines: list | None = None) -> dict:
-    """Score the policy saved at `checkpoint` (an HF model dir) on `suite` with its own engine."""
+    """Score the policy saved at `checkpoint` (an HF model dir) on `suite`.
+
+    Starts its own engine, or reuses started `engines` after loading the checkpoint into them
+    (disk reload; they keep those weights afterwards)."""
     checkpoint = Path(checkpoint)
     if not (checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"{checkpoint}: not a model directory (no config.json)")
@@ -58,6 +61,10 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "he
             engines = [EngineActor.remote(recipe.rollout.engine, str(checkpoint), recipe.rollout,
                                           str(Path(tmp) / "engine.log"))]
             ray.get([e.start.remote() for e in engines])
+        else:
+            ray.get([e.begin_update.remote() for e in engines])
+            ray.get([e.load_from_disk.remote(str(checkpoint)) for e in engines])
+            ray.get([e.end_update.remote(-1) for e in engines])  # -1: not a version of any run
         worker = EnvWorkerActor.remote(str(checkpoint), recipe.environment, recipe.rollout, engines, None)
         try:
             ray.get(worker.start.remote())

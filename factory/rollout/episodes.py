@@ -32,17 +32,17 @@ class EpisodeRunner:
         self.env = env
         self.sampling = sampling
         self.group_size = group_size
-        # one connection pool for all episodes: an AsyncOpenAI per episode is then cheap. A small
-        # pool on purpose: httpcore scans every pooled connection for each queued request, which
-        # took ~40% of this process's CPU at 1024 connections (py-spy); requests just queue instead
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10),
-                                      limits=httpx.Limits(max_connections=32, max_keepalive_connections=32))
+        # Environments in this process reach the gateway through an in-process ASGI transport:
+        # the same OpenAI API and app, without a socket and uvicorn's parsing per call (agents in
+        # other processes, e.g. sandboxes, use the loopback URL the gateway also serves).
+        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway.app()),
+                                      timeout=httpx.Timeout(600, connect=10))
         self.stats = {"episodes": 0, "episode_errors": 0, "episode_s": 0.0}
 
     def client_for(self, session_id: str):
         from openai import AsyncOpenAI
 
-        return AsyncOpenAI(base_url=self.gateway.base_url(session_id), api_key="factory", http_client=self.http,
+        return AsyncOpenAI(base_url=f"http://gateway/s/{session_id}/v1", api_key="factory", http_client=self.http,
                            max_retries=0)
 
     async def episode(self, session_id: str, task: Task, sampling: dict | None = None):

@@ -185,7 +185,10 @@ class Gateway:
         self.sessions.pop(session_id, None)
 
     def app(self):
-        app = FastAPI(title="factory gateway")
+        """The ASGI app (built once): served on loopback by `serve`, or called in-process."""
+        if getattr(self, "_app", None) is not None:
+            return self._app
+        app = self._app = FastAPI(title="factory gateway")
 
         @app.post("/s/{session_id}/v1/chat/completions")
         async def chat_completions(session_id: str, request: Request):

@@ -37,3 +37,17 @@ def test_no_trained_sample_is_older_than_eta(engine, tmp_path, eta):
     assert (tmp_path / "results.json").is_file()
     state = json.loads((tmp_path / "checkpoints" / "step-000005" / "state.json").read_text())
     assert state["version"] == 5 and state["buffer"]["sampler"]["position"] > 0
+
+
+def test_evaluate_checkpoint_scores_a_saved_policy(engine, tmp_path):
+    from factory.evaluate import evaluate_checkpoint
+
+    recipe = small_recipe("train.steps=2", "eval.before=false", "eval.after=false")
+    run(recipe, tmp_path, engines=[engine])
+    ckpt = tmp_path / "checkpoints" / "step-000002"
+    result = evaluate_checkpoint(recipe, ckpt, "heldout", n=48, engines=[engine])
+    assert result["n"] == 48 and 0.0 <= result["mean"] <= 1.0
+    assert set(result["by_family"]) == {"basic_arithmetic"}
+    assert result["stderr"] == pytest.approx((result["mean"] * (1 - result["mean"]) / 47) ** 0.5, abs=1e-9)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        evaluate_checkpoint(recipe, tmp_path, engines=[engine])

@@ -123,3 +123,30 @@ def test_openai_client_through_http(tokenizer):
     assert getattr(bad, "status_code", None) == 400
     sample = gw.finish("h1", sample_id="h1", group_id="g", task_id="t", reward=1.0, env="e")
     assert sample.completion_ids == ids_of(tokenizer, "49") + [end]
+
+
+def test_episode_runner_plays_a_group_in_process(tokenizer):
+    from factory.envs.single_turn import SingleTurnEnvironment
+    from factory.rollout.episodes import EpisodeRunner
+    from factory.types import Task
+
+    end = tokenizer.eos_token_id
+    right, wrong = ids_of(tokenizer, "49") + [end], ids_of(tokenizer, "48") + [end]
+    engine = ScriptedEngine([right, wrong, right, wrong])
+    gw = Gateway(tokenizer, [engine], SamplingParams(max_new_tokens=8))
+    task = Task("t1", "basic_arithmetic", "Calculate 23 + 26.", "49",
+                metadata={"rg_entry": {"answer": "49", "metadata": {}}})
+    runner = EpisodeRunner(gw, SingleTurnEnvironment(), {"temperature": 1.0, "max_tokens": 8}, group_size=4)
+
+    async def go():
+        try:
+            return await runner.run_group(task, "g7")
+        finally:
+            await runner.close()
+
+    group = asyncio.run(go())
+    assert sorted(s.reward for s in group.samples) == [0.0, 0.0, 1.0, 1.0]
+    assert {s.group_id for s in group.samples} == {"g7"} and len({s.sample_id for s in group.samples}) == 4
+    assert all(s.prompt_ids == encode_chat(tokenizer, [{"role": "user", "content": task.question}])
+               for s in group.samples)
+    assert not gw.sessions  # every session was closed into a Sample
