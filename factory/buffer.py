@@ -90,6 +90,10 @@ class StalenessBuffer:
         self.rejected_samples = 0  # samples dropped as stale (at finish or later)
         self.purged_groups = 0  # queued groups dropped after the version advanced
         self.failed = 0  # episodes that finished without a group
+        # reward over every finished sample, filtered groups included: the batch's reward mean is
+        # biased toward 0.5 by the zero-variance filter, so it is not the policy's accuracy
+        self._reward_sum = 0.0
+        self._reward_n = 0
 
     # ---- version -------------------------------------------------------------------------
 
@@ -135,6 +139,8 @@ class StalenessBuffer:
         if group is None:
             self.failed += 1
             return FAILED
+        self._reward_sum += sum(group.rewards)
+        self._reward_n += len(group.samples)
         if self._no_reward_variance(group.samples):
             self.filtered += 1
             return FILTERED
@@ -223,6 +229,7 @@ class StalenessBuffer:
             "buffer/rejected_groups": float(self.rejected_groups),
             "buffer/purged_groups": float(self.purged_groups),
             "buffer/failed": float(self.failed),
+            "rollout/reward_all_finished": self._reward_sum / max(1, self._reward_n),
             "buffer/capacity": float(self.capacity()),
             "staleness/version": float(self._version),
         }
