@@ -48,6 +48,8 @@ def test_evaluate_checkpoint_scores_a_saved_policy(engine, tmp_path):
     result = evaluate_checkpoint(recipe, ckpt, "heldout", n=48, engines=[engine])
     assert result["n"] == 48 and 0.0 <= result["mean"] <= 1.0
     assert set(result["by_family"]) == {"basic_arithmetic"}
-    assert result["stderr"] == pytest.approx((result["mean"] * (1 - result["mean"]) / 47) ** 0.5, abs=1e-9)
+    # rewards lie in [0, 1] (the verifier gives partial credit too): the sample sd is at most 1/2
+    assert 0.0 <= result["stderr"] <= 0.5 / 47 ** 0.5 + 1e-12
+    assert (result["stderr"] > 0) == (0.0 < result["mean"] < 1.0)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         evaluate_checkpoint(recipe, tmp_path, engines=[engine])
