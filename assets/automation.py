@@ -2,7 +2,6 @@
 recovery of failed RL runs from their last checkpoint (a run-failure sensor). Each is a small
 factory taking the job it launches."""
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -19,11 +18,6 @@ MAX_RESTARTS_ENV = "FACTORY_MAX_RESTARTS"
 
 
 # ---- evaluations -----------------------------------------------------------------------------
-
-
-def evaluation_available() -> bool:
-    """Whether factory can evaluate a checkpoint on its own (factory.evaluate.evaluate_checkpoint)."""
-    return importlib.util.find_spec("factory.evaluate") is not None
 
 
 def last_evaluated_checkpoint(instance: dg.DagsterInstance, key: str) -> str | None:
@@ -54,8 +48,6 @@ def evaluation_requests(instance: dg.DagsterInstance) -> list[dg.RunRequest]:
 
 
 def _evaluations_or_skip(instance: dg.DagsterInstance):
-    if not evaluation_available():
-        return dg.SkipReason("factory.evaluate is missing: checkpoints cannot be evaluated outside a run yet")
     return evaluation_requests(instance) or dg.SkipReason("no training run has a new checkpoint")
 
 

@@ -22,11 +22,8 @@ class EvaluationConfig(dg.Config):
 
 def evaluate_checkpoint(recipe, checkpoint: Path, suite: str, n: int | None) -> dict:
     """{mean, stderr, n, by_family} of `checkpoint` on `suite` — factory's job, called here only."""
-    try:
-        from factory.evaluate import evaluate_checkpoint as evaluate
-    except ImportError:
-        raise user_error("evaluating a checkpoint needs factory.evaluate.evaluate_checkpoint(recipe, checkpoint, "
-                         "suite, n), which this version of factory does not have") from None
+    from factory.evaluate import evaluate_checkpoint as evaluate
+
     return evaluate(recipe, checkpoint, suite=suite, n=n)
 
 

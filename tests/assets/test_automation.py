@@ -3,7 +3,7 @@ import json
 import dagster as dg
 import pytest
 
-from assets.automation import evaluation_available, evaluation_requests
+from assets.automation import evaluation_requests
 from assets.runs import (
     ATTEMPT_TAG, EVALUATION_KEY, PARENT_RUN_TAG, RL_RUN_KEY, RL_RUNS, ROOT_RUN_TAG, SWEEP_RUN_TAG, rl_run_config,
     run_dir,
@@ -118,13 +118,10 @@ def test_evaluations_target_the_latest_checkpoint_of_training_runs(instance):
     assert evaluation_requests(instance) == []  # one evaluation of a run at a time
 
 
-def test_evaluation_sensor_and_schedule_wait_for_factory_evaluate(defs, instance):
+def test_evaluation_sensor_and_schedule_request_the_new_checkpoint(defs, instance):
     in_progress(instance, "training-a", RL_RUN_KEY, "a")
     save_checkpoint("a", 2)
     tick = sensor(defs, "checkpoint_evaluation_sensor")(dg.build_sensor_context(instance=instance, definitions=defs))
     scheduled = sensor(defs, "evaluation_schedule")(dg.build_schedule_context(instance=instance))
     for result in (tick, scheduled):
-        if evaluation_available():
-            assert [r.partition_key for r in result] == ["a"]
-        else:
-            assert isinstance(result, dg.SkipReason) and "factory.evaluate is missing" in result.skip_message
+        assert [r.partition_key for r in result] == ["a"]
