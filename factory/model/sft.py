@@ -22,7 +22,7 @@ def policy_fingerprint(recipe) -> str:
         "model": recipe.model.model_dump(mode="json"),
         "data": recipe.data.model_dump(mode="json"),
         "system_prompt": recipe.environment.system_prompt,
-        "version": 2,  # bump when the warm start's procedure changes
+        "version": 3,  # bump when the warm start's procedure changes
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -57,8 +57,13 @@ def collate(pairs, pad_id: int):
 
 def warm_start(model, tokenizer, env, tasks, section, progress=None) -> list[float]:
     """AdamW on answer-only cross-entropy, linear warm-up then cosine decay to 10% of the peak
-    learning rate (a constant rate left the loss noisy and the policy ~4x less accurate here);
-    returns the loss curve."""
+    learning rate; returns the loss curve.
+
+    Measured here on 2-digit addition (400 held-out, same compute each): batch 128 x 300 steps
+    reaches 4% sampled accuracy, batch 32 x 1200 steps 54-60% (two seeds), batch 16 x 2400 21%.
+    The loss sits on a plateau and drops sharply after ~800 updates, so the number of updates,
+    not the samples seen, is what buys accuracy; a constant rate and a 3x higher rate were worse.
+    """
     import math
 
     import torch
@@ -73,8 +78,10 @@ def warm_start(model, tokenizer, env, tasks, section, progress=None) -> list[flo
     model.train()
     losses = []
     for step in range(section.sft_steps):
-        ids, labels, attn = collate(rng.sample(examples, min(section.sft_batch_size, len(examples))), tokenizer.pad_token_id)
-        out = model(input_ids=ids, attention_mask=attn, labels=labels)
+        ids, labels, _ = collate(rng.sample(examples, min(section.sft_batch_size, len(examples))), tokenizer.pad_token_id)
+        # right padding under a causal mask cannot reach a counted token: no attention mask needed,
+        # which lets attention take its plain causal path
+        out = model(input_ids=ids, labels=labels)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
