@@ -44,8 +44,8 @@ class ModelSection(Section):
     intermediate_size: int = Field(704, gt=0)
     max_position: int = Field(256, gt=16)
     bpe_vocab_size: int = Field(300, ge=260, description="byte-level BPE vocab incl. 256 bytes")
-    sft_steps: int = Field(500, ge=0, description="supervised warm-start steps")
-    sft_batch_size: int = Field(128, gt=0)
+    sft_steps: int = Field(1200, ge=0, description="supervised warm-start steps")
+    sft_batch_size: int = Field(32, gt=0)
     sft_lr: float = Field(1e-3, gt=0)
     sft_examples: int = Field(20000, gt=0, description="training tasks used for the warm start")
     seed: int = 0
@@ -98,6 +98,8 @@ class RolloutSection(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, description="-1 disables top-k")
     max_new_tokens: int = Field(8, gt=0)
+    min_new_tokens: int = Field(0, ge=0, description="end-of-turn is suppressed before this many tokens "
+                                "(benchmarks and tests use it to force long generations)")
     max_model_len: int = Field(256, gt=16, description="prompt + completion tokens an engine accepts")
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     weight_sync: Literal["broadcast", "disk"] = "broadcast"
@@ -105,6 +107,10 @@ class RolloutSection(Section):
     kv_cache_gb: int = Field(2, gt=0)
     cpus: int = Field(1, gt=0, description="threads for each engine")
     coalesce_ms: float = Field(5.0, ge=0, description="vLLM: prompts arriving this close share one HTTP request")
+    partial_rollout: Literal["wait", "abort_resume", "inflight"] = Field(
+        "wait", description="at a weight update: wait = drain in-flight requests first; abort_resume = abort "
+        "them and continue prompt + tokens so far under the new weights; inflight = pause with the KV cache "
+        "kept, swap weights, resume (vllm only for the last two)")
     startup_timeout_s: float = Field(300, gt=0)
 
 

@@ -55,6 +55,15 @@ def publish_weights(engines, trainer, version: int, mode: str, scratch: Path) ->
             "weightsync/reopen_s": t3 - t2}
 
 
+def engine_metrics(engines) -> dict[str, float]:
+    """The engines' counters, summed over engines (versions: the lowest)."""
+    out: dict[str, float] = {}
+    for m in ray.get([e.metrics.remote() for e in engines]):
+        for k, v in m.items():
+            out[k] = min(out.get(k, v), v) if k.endswith("_version") else out.get(k, 0.0) + v
+    return out
+
+
 def connect_broadcast(engines, trainer) -> None:
     """Rendezvous the trainer (rank 0) with every engine's in-worker receiver over gloo."""
     from factory.rollout.vllm import free_port
@@ -106,6 +115,8 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
                                     recipe.async_.max_staleness, recipe.async_.max_inflight_groups,
                                     recipe.algorithm.filter_zero_variance, recipe.train.seed)
         ray.get([e.start.remote() for e in engines])
+        if not own_engines:
+            ray.get([e.set_partial_rollout.remote(recipe.rollout.partial_rollout) for e in engines])
         version = 0
         if resume_from is not None:
             state = ray.get(trainer.load_checkpoint.remote(str(resume_from)))
@@ -143,6 +154,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
             samples_done += len(batch.samples)
             elapsed = time.perf_counter() - t_train
             metrics.update(ray.get(buffer.metrics.remote()))
+            metrics.update(engine_metrics(engines))
             metrics.update(sync)
             metrics.update({"perf/samples_per_s": samples_done / elapsed,
                             "perf/trainer_idle_fraction": wait_s / elapsed, "perf/elapsed_s": elapsed})

@@ -7,8 +7,10 @@ Weight updates follow one protocol, driven by the run loop:
     await engine.begin_update()        # stop admitting requests, drain the in-flight ones
     await engine.receive_broadcast()   # or: await engine.load_from_disk(path)
     await engine.end_update(version)   # clear the prefix cache, publish the version, reopen
-Because in-flight requests are drained first, every token of a request comes from one version
-and the recorded behaviour logprob is the one that produced it.
+With the default (`rollout.partial_rollout=wait`) in-flight requests are drained first, so every
+token of a request comes from one version; the vLLM engine can also abort and continue them or
+keep them running across the swap (see factory/rollout/vllm.py). In every mode each sampled token
+carries the version that sampled it and the behaviour logprob the sampler used.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class SamplingParams:
     top_k: int = -1
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    min_new_tokens: int = 0  # stop tokens are not sampled before this many new tokens
 
 
 @dataclass
@@ -78,6 +81,18 @@ class AdmissionGate:
     async def close_and_drain(self) -> None:
         self._open.clear()
         await self._idle.wait()
+
+    def close(self) -> None:
+        """Stop admitting; requests already inside carry on."""
+        self._open.clear()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no request is inside, False if `timeout` seconds pass first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     def open(self) -> None:
         self._open.set()

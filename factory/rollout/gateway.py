@@ -135,6 +135,7 @@ class Gateway:
             top_k=int(body.get("top_k") or d.top_k),
             stop_token_ids=[self.end_id],
             seed=body.get("seed"),
+            min_new_tokens=d.min_new_tokens,
         )
 
     # ---- serving -----------------------------------------------------------------------------

