@@ -107,6 +107,11 @@ class RolloutSection(Section):
     kv_cache_gb: int = Field(2, gt=0)
     cpus: int = Field(1, gt=0, description="threads for each engine")
     coalesce_ms: float = Field(5.0, ge=0, description="vLLM: prompts arriving this close share one HTTP request")
+    keep_sampling_mask: bool = Field(
+        False, description="record the sampler's candidate set per token (top-k/top-p survivors) and "
+        "renormalise the trainer's policy over it, so both policies share a support")
+    support_cap: int = Field(64, gt=0, description="with top-p only: candidates asked for per token; a set "
+                             "that fills it is treated as unknown")
     partial_rollout: Literal["wait", "abort_resume", "inflight"] = Field(
         "wait", description="at a weight update: wait = drain in-flight requests first; abort_resume = abort "
         "them and continue prompt + tokens so far under the new weights; inflight = pause with the KV cache "

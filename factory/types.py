@@ -29,7 +29,9 @@ class Sample:
     `completion_ids` is everything after the first prompt: sampled tokens and, for multi-turn
     episodes, the tool/user tokens between turns. `loss_mask` is 1 on sampled tokens only;
     `logprobs` holds the behaviour policy's logprob of each sampled token (0.0 elsewhere) and
-    `versions` the policy version that sampled it (NOT_SAMPLED elsewhere).
+    `versions` the policy version that sampled it (NOT_SAMPLED elsewhere). `support`, when the
+    recipe keeps the sampling mask, holds per completion token the ids the sampler could choose
+    from (top-k/top-p survivors; [] where unknown or not sampled); empty when not recorded.
     """
 
     sample_id: str
@@ -46,6 +48,7 @@ class Sample:
     finish_reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    support: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -55,6 +58,8 @@ class Sample:
                 f"must have equal lengths, got {n}, {len(self.logprobs)}, "
                 f"{len(self.loss_mask)}, {len(self.versions)}"
             )
+        if self.support and len(self.support) != n:
+            raise ValueError(f"sample {self.sample_id}: support has {len(self.support)} entries for {n} tokens")
 
     @property
     def sampled_versions(self) -> list[int]:

@@ -29,6 +29,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     min_new_tokens: int = 0  # stop tokens are not sampled before this many new tokens
+    support_k: int = 0  # > 0: record the sampler's candidate set per token (asks for this many top logprobs)
 
 
 @dataclass
@@ -38,6 +39,18 @@ class Generation:
     versions: list[int]
     finish_reason: str  # "stop" | "length" | "abort"
     prompt_tokens: int = 0
+    # per token, the ids the sampler could have chosen (after top-k/top-p); [] = not known
+    support: list[list[int]] | None = None
+
+
+MASKED_LOGPROB = -1000.0  # vLLM reports candidates the sampler excluded at -9999
+
+
+def support_from(candidates: list[tuple[int, float]], k: int) -> list[int]:
+    """The sampler's candidate set from one token's top-`k` (id, processed logprob) pairs: the ids
+    it did not mask. If all `k` are unmasked the set may be cut off, so it is unknown: []."""
+    kept = [tid for tid, lp in candidates if lp > MASKED_LOGPROB]
+    return [] if len(kept) >= k else kept
 
 
 class RolloutEngine(Protocol):

@@ -43,6 +43,7 @@ class SessionRecord:
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    support: list[list[int]] = field(default_factory=list)  # sampler candidates per token (when kept)
     messages: list[dict] = field(default_factory=list)  # the conversation the ids stand for
     turns: int = 0
     finish_reason: str = ""
@@ -52,7 +53,11 @@ class SessionRecord:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
-    def extend(self, ids: list[int], *, sampled: bool, logprobs: list[float] = (), versions: list[int] = ()):
+    def extend(self, ids: list[int], *, sampled: bool, logprobs: list[float] = (), versions: list[int] = (),
+               support: list[list[int]] | None = None):
+        if support is not None or self.support:  # once recorded, every token gets an entry ([] = unknown)
+            self.support += [[] for _ in range(len(self.completion_ids) - len(self.support))]
+            self.support += [list(s) for s in support] if (sampled and support is not None) else [[] for _ in ids]
         self.completion_ids += ids
         self.loss_mask += [1 if sampled else 0] * len(ids)
         self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)
@@ -111,7 +116,7 @@ class Gateway:
     def record_generation(self, record: SessionRecord, gen: Generation) -> str:
         """Append sampled tokens; returns the reply text (without the end token)."""
         ids = list(gen.token_ids)
-        record.extend(ids, sampled=True, logprobs=gen.logprobs, versions=gen.versions)
+        record.extend(ids, sampled=True, logprobs=gen.logprobs, versions=gen.versions, support=gen.support)
         # what the model sees next turn is exactly these ids: close an unterminated reply ourselves
         if not ids or ids[-1] != self.end_id:
             record.extend([self.end_id], sampled=False)
@@ -136,6 +141,7 @@ class Gateway:
             stop_token_ids=[self.end_id],
             seed=body.get("seed"),
             min_new_tokens=d.min_new_tokens,
+            support_k=d.support_k,
         )
 
     # ---- serving -----------------------------------------------------------------------------
@@ -179,7 +185,7 @@ class Gateway:
             prompt_ids=record.prompt_ids, completion_ids=record.completion_ids, logprobs=record.logprobs,
             loss_mask=record.loss_mask, versions=record.versions, reward=reward, env=env, turns=record.turns,
             finish_reason=record.finish_reason, timings={"generate_s": record.generate_s, **(timings or {})},
-            info=info or {},
+            info=info or {}, support=record.support,
         )
 
     def drop(self, session_id: str) -> None:

@@ -37,9 +37,11 @@ class HFEngine:
     async def stop(self) -> None:
         self.model = None
 
-    def _generate_sync(self, prompt_ids: list[int], sp: SamplingParams, request_id: str) -> tuple[list[int], list[float], str]:
+    def _generate_sync(self, prompt_ids: list[int], sp: SamplingParams, request_id: str):
+        """(ids, logprobs, finish reason, per-token candidate sets or None) for one prompt."""
         gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
         ids, lps = [], []
+        support = [] if sp.support_k else None
         finish = "length"
         with self._lock, torch.no_grad():
             out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
@@ -52,7 +54,10 @@ class HFEngine:
                 logits = logits.float()
                 if i < sp.min_new_tokens and sp.stop_token_ids:
                     logits[sp.stop_token_ids] = float("-inf")
-                logp = torch.log_softmax(_process(logits, sp), dim=-1)
+                processed = _process(logits, sp)
+                logp = torch.log_softmax(processed, dim=-1)
+                if support is not None:
+                    support.append(torch.isfinite(processed).nonzero()[:, 0].tolist())
                 tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
                 ids.append(tok)
                 lps.append(float(logp[tok]))
@@ -62,16 +67,16 @@ class HFEngine:
                 out = self.model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
                 past = out.past_key_values
                 logits = out.logits[0, -1]
-        return ids, lps, finish
+        return ids, lps, finish, support
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Generation:
         async with self.gate:
             version = self.version
-            ids, lps, finish = await asyncio.to_thread(self._generate_sync, prompt_ids, sampling, request_id)
+            ids, lps, finish, support = await asyncio.to_thread(self._generate_sync, prompt_ids, sampling, request_id)
         self._aborted.discard(request_id)
         self.stats["requests"] += 1
         self.stats["tokens"] += len(ids)
-        return Generation(ids, lps, [version] * len(ids), finish, len(prompt_ids))
+        return Generation(ids, lps, [version] * len(ids), finish, len(prompt_ids), support)
 
     async def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)

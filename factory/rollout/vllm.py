@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from factory.paths import REPO_ROOT, cache_dir
-from factory.rollout.engine import AdmissionGate, Generation, SamplingParams
+from factory.rollout.engine import AdmissionGate, Generation, SamplingParams, support_from
 from factory.types import NOT_SAMPLED
 
 
@@ -229,7 +229,7 @@ class VLLMEngine:
         if self.partial == "inflight":
             return await self._generate_versioned(prompt_ids, sampling, request_id)
         key = (sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
-               tuple(sampling.stop_token_ids), sampling.seed, sampling.min_new_tokens)
+               tuple(sampling.stop_token_ids), sampling.seed, sampling.min_new_tokens, sampling.support_k)
         future = asyncio.get_running_loop().create_future()
         pending = self._pending.setdefault(key, [])
         pending.append((prompt_ids, request_id, future, sampling))
@@ -252,7 +252,7 @@ class VLLMEngine:
         Why: the vLLM API server spends ~10 ms of CPU per HTTP request; for short episodes that,
         not the model, bounds throughput (64 separate requests ~1 s, one request of 64 ~0.13 s here).
         """
-        max_new_tokens, temperature, top_p, top_k, stop_ids, seed, min_new_tokens = key
+        max_new_tokens, temperature, top_p, top_k, stop_ids, seed, min_new_tokens, support_k = key
         body = {
             "model": self.model, "prompt": [p for p, *_ in batch], "max_tokens": max_new_tokens,
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "logprobs": 0,
@@ -260,6 +260,8 @@ class VLLMEngine:
         }
         if min_new_tokens:
             body["min_tokens"] = min_new_tokens
+        if support_k:  # the sampler's candidates come back as "token_id:<id>" -> processed logprob
+            body.update(logprobs=support_k, return_tokens_as_token_ids=True)
         if stop_ids:
             body["stop_token_ids"] = list(stop_ids)
         if seed is not None:
@@ -289,18 +291,24 @@ class VLLMEngine:
             self.stats["requests"] += 1
             self.stats["tokens"] += len(ids)
             finish = choice.get("finish_reason") or "stop"
+            support = None
+            if support_k:
+                tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
+                support = [support_from([(int(t.split(":", 1)[1]), lp) for t, lp in top.items()], support_k)
+                           for top in tops]
             if future.done():
                 continue
             if finish == "abort" and request_id not in self._user_aborted and len(ids) < sampling.max_new_tokens:
                 # cut off by a weight update (abort_resume): continue under the new weights
-                task = asyncio.create_task(self._continue(prompt_ids, ids, lps, version, sampling, request_id, future))
+                task = asyncio.create_task(self._continue(prompt_ids, ids, lps, version, sampling, request_id, future,
+                                                          support))
                 self._flushing.add(task)
                 task.add_done_callback(self._flushing.discard)
                 continue
             self._user_aborted.discard(request_id)
-            future.set_result(Generation(ids, lps, [version] * len(ids), finish, len(prompt_ids)))
+            future.set_result(Generation(ids, lps, [version] * len(ids), finish, len(prompt_ids), support))
 
-    async def _continue(self, prompt_ids, ids, lps, version, sampling, request_id, future) -> None:
+    async def _continue(self, prompt_ids, ids, lps, version, sampling, request_id, future, support=None) -> None:
         """Finish a request a weight update aborted: prompt + tokens so far go back for the rest of the
         budget (queued until the engine reopens at the new version); the pieces are joined."""
         self.stats["resumed"] += 1
@@ -315,9 +323,10 @@ class VLLMEngine:
         versions = [version] * len(ids) + tail.versions
         if len(set(versions)) > 1:
             self.stats["mixed_version"] += 1
+        joined = None if support is None or tail.support is None else list(support) + tail.support
         if not future.done():
             future.set_result(Generation(list(ids) + tail.token_ids, list(lps) + tail.logprobs, versions,
-                                         tail.finish_reason, len(prompt_ids)))
+                                         tail.finish_reason, len(prompt_ids), joined))
 
     async def _generate_versioned(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Generation:
         """One prompt through `/inference/v1/generate` (inflight mode): the server labels which output
@@ -330,6 +339,8 @@ class VLLMEngine:
             params["min_tokens"] = sampling.min_new_tokens
         if sampling.seed is not None:
             params["seed"] = sampling.seed
+        if sampling.support_k:
+            params["logprobs"] = sampling.support_k
         self._engine_ids[request_id] = request_id
         try:
             resp = await self.client.post("/inference/v1/generate", json={
@@ -339,13 +350,18 @@ class VLLMEngine:
             self._engine_ids.pop(request_id, None)
         choice = resp.json()["choices"][0]
         ids = choice.get("token_ids") or []
-        lps = [float(c["logprob"]) for c in (choice.get("logprobs") or {}).get("content") or []]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        lps = [float(c["logprob"]) for c in content]
+        support = None
+        if sampling.support_k:
+            support = [support_from([(t["token_id"], t["logprob"]) for t in c.get("top_logprobs") or []],
+                                    sampling.support_k) for c in content]
         versions = spans_to_versions(choice.get("weight_versions"), len(ids), self.version)
         if len(set(versions)) > 1:
             self.stats["mixed_version"] += 1
         self.stats["requests"] += 1
         self.stats["tokens"] += len(ids)
-        return Generation(ids, lps, versions, choice.get("finish_reason") or "stop", len(prompt_ids))
+        return Generation(ids, lps, versions, choice.get("finish_reason") or "stop", len(prompt_ids), support)
 
     async def abort(self, request_id: str) -> None:
         # bare ids abort nothing: the engine needs its own id for the prompt (see _flush)

@@ -14,6 +14,15 @@ import ray
 from factory.types import Batch, Group, Task
 
 
+def support_k(rollout) -> int:
+    """How many top logprobs to ask for to recover the sampler's candidate set (0: not kept).
+
+    top-k: k + 2, because bf16 ties can let a few more than k through; top-p alone: the cap."""
+    if not rollout.keep_sampling_mask or (rollout.top_k <= 0 and rollout.top_p >= 1.0):
+        return 0
+    return rollout.top_k + 2 if rollout.top_k > 0 else rollout.support_cap
+
+
 def make_engine(kind: str, model_path: str, rollout, log_path: str | None):
     if kind == "vllm":
         from pathlib import Path
@@ -166,7 +175,8 @@ class EnvWorkerActor:
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         defaults = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                                  top_p=rollout.top_p, top_k=rollout.top_k, min_new_tokens=rollout.min_new_tokens)
+                                  top_p=rollout.top_p, top_k=rollout.top_k, min_new_tokens=rollout.min_new_tokens,
+                                  support_k=support_k(rollout))
         self.gateway = Gateway(tokenizer, [RemoteEngine(e) for e in engines], defaults)
         self.env = make_environment(environment)
         sampling = {"temperature": rollout.temperature, "max_tokens": rollout.max_new_tokens}

@@ -79,3 +79,40 @@ def test_disk_reload_fallback_matches_trainer(engine, policy, tmp_path):
     assert all(v == 7 for s in after for v in s.versions)
     d = diffs(after, ray.get(trainer.logprobs.remote(after)))
     assert d.mean() < BF16_MEAN_TOL and d.max() < BF16_MAX_TOL, (d.mean(), d.max())
+
+
+def test_keep_sampling_mask_makes_trainer_logprobs_match_top_k_sampling(engine, policy, tmp_path):
+    """Under top-k the engine's logprob is renormalised over the k survivors. The trainer matches it
+    only when it renormalises over the same recorded candidate set; over the full vocabulary it
+    is off by the mass top-k cut away."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from factory.model.tokens import encode_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    recipe = small_recipe()
+    trainer = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
+    connect_broadcast([engine], trainer)
+    publish_weights([engine], trainer, 0, "broadcast", tmp_path)  # the shared server may hold other weights
+    prompt = encode_chat(tokenizer, [{"role": "user", "content": "Calculate 61 + 7."}])
+    # forced long completions: past the answer the model is unsure, so top-k cuts real mass away
+    sp = SamplingParams(max_new_tokens=24, min_new_tokens=24, temperature=1.0, top_k=3, support_k=5,
+                        stop_token_ids=[tokenizer.eos_token_id])
+    gens = ray.get([engine.generate.remote(prompt, sp, f"k{i}") for i in range(8)])
+    kept = [Sample(sample_id=f"k{i}", group_id="k", task_id="t", prompt_ids=prompt, completion_ids=g.token_ids,
+                   logprobs=g.logprobs, loss_mask=[1] * len(g.token_ids), versions=g.versions, support=g.support)
+            for i, g in enumerate(gens)]
+    sets = [c for s in kept for c in s.support]
+    assert len(sets) == 8 * 24 and all(sets), "every sampled token should carry its candidate set"
+    assert all(3 <= len(c) <= 4 for c in sets), {len(c) for c in sets}  # top-3, a bf16 tie may add one
+    assert all(t in c for s in kept for t, c in zip(s.completion_ids, s.support))
+
+    d_mask = diffs(kept, ray.get(trainer.logprobs.remote(kept)))
+    plain = [dataclasses.replace(s, support=[]) for s in kept]
+    d_full = diffs(plain, ray.get(trainer.logprobs.remote(plain)))
+    # min_new_tokens also keeps end-of-turn out of the sampler's set; the recorded sets already
+    # exclude it, so the masked recomputation accounts for both
+    assert d_mask.mean() < BF16_MEAN_TOL and d_mask.max() < BF16_MAX_TOL, (d_mask.mean(), d_mask.max())
+    assert d_full.mean() > 5 * max(float(d_mask.mean()), 0.01), (d_full.mean(), d_mask.mean())
