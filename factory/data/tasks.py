@@ -4,6 +4,7 @@ whose position is saved in checkpoints."""
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from dataclasses import dataclass
 from functools import cached_property
@@ -15,6 +16,13 @@ from factory.types import Task
 def _family_seed(seed: int, family: str, split: str) -> int:
     digest = hashlib.sha256(f"{seed}/{family}/{split}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
+
+
+def dataset_fingerprint(data_section) -> str:
+    """12 hex digits naming the task set a recipe's `data` section makes (families, sizes, seed):
+    task ids such as `basic_arithmetic/train/0` are unique only within one such set."""
+    text = json.dumps(data_section.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def _question_key(task: Task) -> str:

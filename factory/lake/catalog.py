@@ -15,7 +15,7 @@ from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, TableAlreadyExistsError
 from pyiceberg.table import Table
 
-from factory.lake.schemas import NAMESPACE, TABLES
+from factory.lake.schemas import NAMESPACE, TABLES, TableSpec
 from factory.paths import state_dir
 
 CATALOG_NAME = "factory"
@@ -49,7 +49,9 @@ def open_catalog(props: dict[str, Any] | None = None, namespace: str | None = NA
 def ensure_tables(catalog: Catalog, namespace: str = NAMESPACE) -> dict[str, Table]:
     """Create `namespace` and every table of `schemas.TABLES` in it if absent; return the tables.
 
-    Existing tables get the spec's table properties if theirs differ (schemas are not migrated).
+    Existing tables made by an older version are brought up to date: the spec's table properties,
+    its columns that the table lacks (added as optional: existing rows hold NULL there) and its
+    partition fields (new data is partitioned by them; old files stay as they are).
     """
     catalog.create_namespace_if_not_exists(namespace)
     tables = {}
@@ -64,7 +66,7 @@ def ensure_tables(catalog: Catalog, namespace: str = NAMESPACE) -> dict[str, Tab
                         tx.set_properties(stale)
                 except CommitFailedException:  # a concurrent commit won; the next open retries
                     pass
-            tables[name] = table
+            tables[name] = evolve(table, spec)
         except NoSuchTableError:
             try:
                 tables[name] = catalog.create_table(identifier, schema=spec.schema,
@@ -73,6 +75,27 @@ def ensure_tables(catalog: Catalog, namespace: str = NAMESPACE) -> dict[str, Tab
             except TableAlreadyExistsError:  # another process created it between our two calls
                 tables[name] = catalog.load_table(identifier)
     return tables
+
+
+def evolve(table: Table, spec: TableSpec) -> Table:
+    """Add the spec's columns and partition fields that `table` lacks (a lake made by an older version)."""
+    have = {f.name for f in table.schema().fields}
+    missing = [f for f in spec.schema.fields if f.name not in have]
+    partitioned = {table.schema().find_column_name(f.source_id) for f in table.spec().fields}
+    unpartitioned = [spec.schema.find_column_name(f.source_id) for f in spec.partition_spec.fields
+                     if spec.schema.find_column_name(f.source_id) not in partitioned]
+    try:
+        if missing:
+            with table.update_schema() as update:
+                for field in missing:
+                    update.add_column(field.name, field.field_type, doc=field.doc)
+        if unpartitioned:
+            with table.update_spec() as update:
+                for column in unpartitioned:
+                    update.add_identity(column)
+    except CommitFailedException:  # another process evolved it first; reload below
+        pass
+    return table.refresh() if missing or unpartitioned else table
 
 
 def _use_wal(db: Path) -> None:

@@ -2,7 +2,7 @@
 
 | table        | one row per                          | key                     | partitioned by |
 |--------------|--------------------------------------|-------------------------|----------------|
-| tasks        | task a run can draw                  | task_id                 | —              |
+| tasks        | task of one dataset                  | dataset, task_id        | dataset        |
 | samples      | trajectory the trainer consumed      | run_id, sample_id       | run_id         |
 | steps        | optimizer step (its metrics)         | run_id, step            | run_id         |
 | evaluations  | (checkpoint, suite) evaluation       | run_id, step, suite     | run_id         |
@@ -10,6 +10,9 @@
 
 Token-level columns of `samples` (`completion_ids`, `logprobs`, `versions`, `loss_mask`) are
 aligned: element i of each describes completion token i (see `factory.types.Sample`).
+`tasks.dataset` is the fingerprint of the recipe's `data` section (`factory.data.tasks.dataset_fingerprint`):
+task ids like `basic_arithmetic/train/0` repeat across datasets, so they are unique only within one.
+New columns go at the end of a schema: `catalog.ensure_tables` adds them to existing tables.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class TableSpec:
     schema: Schema
     partition_spec: PartitionSpec
     key: tuple[str, ...]  # columns that identify a row: the writer commits each key once
+    scope: str | None = None  # the partition column; the writer reads committed keys one value of it at a time
     position: str | None = None  # column whose max is "how far this run got" (resume point)
     json_columns: tuple[str, ...] = ()  # string columns holding JSON (dicts are dumped on write)
     now_columns: tuple[str, ...] = ()  # timestamp columns the writer fills with the append time
@@ -92,11 +96,11 @@ def _schema(columns: list[_Column]) -> Schema:
                     for name, typ, required in columns])
 
 
-def _by_run(schema: Schema) -> PartitionSpec:
-    """One partition per run: `identity(run_id)`."""
-    source = schema.find_field("run_id").field_id
+def _by(schema: Schema, column: str) -> PartitionSpec:
+    """One partition per value of `column`: `identity(column)`."""
+    source = schema.find_field(column).field_id
     return PartitionSpec(PartitionField(source_id=source, field_id=1000, transform=IdentityTransform(),
-                                        name="run_id"))
+                                        name=column))
 
 
 _TABLE_PROPERTIES = {
@@ -113,7 +117,7 @@ _S, _I, _D, _F, _T = StringType(), IntegerType(), DoubleType(), FloatType(), Tim
 
 _TASKS = _schema([
     ("task_id", _S, True), ("family", _S, False), ("question", _S, False), ("answer", _S, False),
-    ("split", _S, False),
+    ("split", _S, False), ("dataset", _S, True),
 ])
 _SAMPLES = _schema([
     ("run_id", _S, True), ("sample_id", _S, True), ("group_id", _S, False), ("task_id", _S, False),
@@ -138,18 +142,20 @@ _CHECKPOINTS = _schema([
 ])
 
 TABLES: dict[str, TableSpec] = {
-    "tasks": TableSpec("tasks", _TASKS, PartitionSpec(), key=("task_id",), properties=_TABLE_PROPERTIES),
-    "samples": TableSpec("samples", _SAMPLES, _by_run(_SAMPLES), key=("run_id", "sample_id"),
+    "tasks": TableSpec("tasks", _TASKS, _by(_TASKS, "dataset"), key=("dataset", "task_id"), scope="dataset",
+                       properties=_TABLE_PROPERTIES),
+    "samples": TableSpec("samples", _SAMPLES, _by(_SAMPLES, "run_id"), key=("run_id", "sample_id"), scope="run_id",
                          position="trained_step", json_columns=("timings", "info"),
                          now_columns=("written_at",), properties=_TABLE_PROPERTIES),
-    "steps": TableSpec("steps", _STEPS, _by_run(_STEPS), key=("run_id", "step"), position="step",
-                       now_columns=("time",), number_maps=("metrics",), properties=_TABLE_PROPERTIES),
-    "evaluations": TableSpec("evaluations", _EVALUATIONS, _by_run(_EVALUATIONS),
-                             key=("run_id", "step", "suite"), position="step",
+    "steps": TableSpec("steps", _STEPS, _by(_STEPS, "run_id"), key=("run_id", "step"), scope="run_id",
+                       position="step", now_columns=("time",), number_maps=("metrics",),
+                       properties=_TABLE_PROPERTIES),
+    "evaluations": TableSpec("evaluations", _EVALUATIONS, _by(_EVALUATIONS, "run_id"),
+                             key=("run_id", "step", "suite"), scope="run_id", position="step",
                              json_columns=("by_family",), now_columns=("time",),
                              properties=_TABLE_PROPERTIES),
-    "checkpoints": TableSpec("checkpoints", _CHECKPOINTS, _by_run(_CHECKPOINTS), key=("run_id", "step"),
-                             position="step", now_columns=("time",), properties=_TABLE_PROPERTIES),
+    "checkpoints": TableSpec("checkpoints", _CHECKPOINTS, _by(_CHECKPOINTS, "run_id"), key=("run_id", "step"),
+                             scope="run_id", position="step", now_columns=("time",), properties=_TABLE_PROPERTIES),
 }
 
 

@@ -7,9 +7,11 @@ row is `flush_interval_s` old. Each commit is one Iceberg append whose snapshot 
 value — `trained_step` for samples, `step` otherwise — in the batch).
 
 Exactly once across restarts: row keys are deterministic (`schemas.TableSpec.key`, e.g.
-(run_id, sample_id)); the first time a writer sees a run in a table it reads that run's committed
-keys back and from then on drops any row whose key is committed or pending. A crashed writer loses
-only its uncommitted rows, which the restarted run re-sends.
+(run_id, sample_id)); the first time a writer sees a partition (`TableSpec.scope`: a run, or a
+dataset for tasks) in a table it reads that partition's committed keys back and from then on drops
+any row whose key is committed or pending. A crashed writer loses only its uncommitted rows, which
+the restarted run re-sends. A run resumed from a checkpoint first rewinds its partitions to it
+(`rewind`), so the steps it trains again are recorded once, from the attempt that trained them.
 
 Commits that conflict with another writer are retried by reloading the table, with backoff, up to
 `max_retries` times beyond PyIceberg's own retries; an error with unknown outcome is retried only
@@ -31,13 +33,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, ValidationException
-from pyiceberg.expressions import AlwaysTrue, EqualTo
+from pyiceberg.expressions import AlwaysTrue, And, EqualTo, GreaterThan
 from pyiceberg.table import Table
 from sqlalchemy.exc import OperationalError
 
 from factory.lake.catalog import open_catalog
 from factory.lake.maintenance import backoff_s, expire_snapshots
-from factory.lake.schemas import NAMESPACE, TableSpec, table_spec
+from factory.lake.schemas import NAMESPACE, TABLES, TableSpec, table_spec
 from factory.types import Batch
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 BATCH_PROPERTY = "factory.batch"
 WRITER_PROPERTY = "factory.writer"
 POSITION_PROPERTY = "factory.position."  # + run_id
+REWIND_PROPERTY = "factory.rewind"  # a run's rows beyond this position were deleted (resume from a checkpoint)
 
 # Failures that guarantee the commit did not land (a concurrent commit, or a concurrent expiry
 # removed the snapshot this append started from): reload and re-send.
@@ -82,7 +85,7 @@ class TrajectoryWriter:
         self._pending: dict[str, list[pa.Table]] = defaultdict(list)
         self._pending_rows: dict[str, int] = defaultdict(int)
         self._pending_since: dict[str, float] = {}
-        self._keys: dict[tuple[str, str | None], set[tuple]] = {}  # (table, run) → committed or pending keys
+        self._keys: dict[tuple[str, str | None], set[tuple]] = {}  # (table, scope value) → committed or pending keys
         self._tables: dict[str, Table] = {}  # used by the commit thread only
         self._flushing = 0  # callers waiting in flush(): commit everything now
         self._busy = False
@@ -102,13 +105,13 @@ class TrajectoryWriter:
         if self._closed:
             raise RuntimeError("TrajectoryWriter is closed")
         normalized = [self._normalize(spec, row) for row in rows]  # raises before anything is queued
-        for run_id in {row.get("run_id") for row in normalized}:
-            self._load_keys(spec, run_id)  # a scan: outside the lock
+        for value in {_scope_of(spec, row) for row in normalized}:
+            self._load_keys(spec, value)  # a scan: outside the lock
         fresh = []
         with self._lock:
             for row in normalized:
                 key = tuple(row[c] for c in spec.key)
-                seen = self._seen(spec, row.get("run_id"))
+                seen = self._seen(spec, _scope_of(spec, row))
                 if key in seen:
                     self._stats["skipped"] += 1
                     continue
@@ -120,7 +123,7 @@ class TrajectoryWriter:
                 data = pa.Table.from_pylist(fresh, schema=spec.arrow)
             except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
                 for row in fresh:  # nothing was queued: forget the keys again
-                    self._seen(spec, row.get("run_id")).discard(tuple(row[c] for c in spec.key))
+                    self._seen(spec, _scope_of(spec, row)).discard(tuple(row[c] for c in spec.key))
                 raise ValueError(f"lake table {table_name!r}: rows do not match its schema: {e}") from None
             self._pending[table_name].append(data)
             self._pending_rows[table_name] += data.num_rows
@@ -185,6 +188,44 @@ class TrajectoryWriter:
         data = table.scan(row_filter=EqualTo("run_id", run_id), selected_fields=(spec.position,)).to_arrow()
         return None if data.num_rows == 0 else pc.max(data[spec.position]).as_py()
 
+    def rewind(self, position: int, run_id: str | None = None) -> dict[str, int]:
+        """Delete `run_id`'s rows beyond `position` (e.g. the steps after the checkpoint a run resumes
+        from) in every table with a position column; return the rows deleted per table.
+
+        Call it before appending that run's rows: the resumed run then records those steps anew,
+        and the lake holds what the trained policy saw, each sample and step once.
+        """
+        run_id = run_id or self.run_id
+        if run_id is None:
+            raise ValueError("rewind: no run_id given and the writer has none")
+        self.flush()
+        deleted = {}
+        for spec in TABLES.values():
+            if spec.position is None or not spec.run_scoped:
+                continue
+            beyond = And(EqualTo("run_id", run_id), GreaterThan(spec.position, position))
+            for attempt in range(self.max_retries + 1):
+                table = self.catalog.load_table((self.namespace, spec.name))  # not the commit thread's copy
+                if table.current_snapshot() is None:
+                    n = 0
+                    break
+                n = table.scan(row_filter=beyond, selected_fields=(spec.position,)).to_arrow().num_rows
+                if n == 0:
+                    break
+                try:
+                    table.delete(beyond, snapshot_properties={POSITION_PROPERTY + run_id: str(position),
+                                                              REWIND_PROPERTY: str(position)})
+                    break
+                except _CONFLICT:
+                    if attempt == self.max_retries:
+                        raise
+                    time.sleep(backoff_s(attempt))
+            with self._lock:
+                self._keys.pop((spec.name, run_id), None)  # read back on next append
+            if n:
+                deleted[spec.name] = n
+        return deleted
+
     def metrics(self) -> dict[str, float]:
         """Stable names: lake/commits, lake/rows, lake/commit_s_mean, lake/retries, … ."""
         with self._lock:
@@ -220,18 +261,18 @@ class TrajectoryWriter:
                 row[column] = datetime.now(timezone.utc)
         return row
 
-    def _load_keys(self, spec: TableSpec, run_id: str | None) -> None:
-        """On first sight of a run in a table, read back its committed keys (a scan of its partition)."""
-        slot = (spec.name, run_id if spec.run_scoped else None)
+    def _load_keys(self, spec: TableSpec, value: str | None) -> None:
+        """On first sight of a partition (scope value) in a table, read back its committed keys."""
+        slot = (spec.name, value)
         if slot in self._keys:
             return
-        keys = committed_keys(self.catalog.load_table((self.namespace, spec.name)), spec, slot[1])
+        keys = committed_keys(self.catalog.load_table((self.namespace, spec.name)), spec, value)
         with self._lock:
             self._keys.setdefault(slot, keys)
 
-    def _seen(self, spec: TableSpec, run_id: str | None) -> set[tuple]:
-        """Keys of `run_id` in this table that are committed or pending (after `_load_keys`)."""
-        return self._keys[(spec.name, run_id if spec.run_scoped else None)]
+    def _seen(self, spec: TableSpec, value: str | None) -> set[tuple]:
+        """Keys of one partition of this table that are committed or pending (after `_load_keys`)."""
+        return self._keys[(spec.name, value)]
 
     def _raise_pending_error(self) -> None:
         with self._lock:
@@ -304,7 +345,7 @@ class TrajectoryWriter:
         started = time.perf_counter()
         for attempt in range(self.max_retries + 1):
             try:
-                table.append(data, snapshot_properties=properties)
+                table.append(conform(data, table), snapshot_properties=properties)
                 break
             except (*_CONFLICT, *_UNKNOWN_OUTCOME) as e:
                 if attempt == self.max_retries:
@@ -330,14 +371,32 @@ class TrajectoryWriter:
                 log.info("snapshot expiry on %s skipped: %s", name, e)
 
 
-def committed_keys(table: Table, spec: TableSpec, run_id: str | None) -> set[tuple]:
-    """The key tuples already in `table` (only `run_id`'s partition for run-scoped tables)."""
+def _scope_of(spec: TableSpec, row: dict[str, Any]) -> str | None:
+    return row.get(spec.scope) if spec.scope is not None else None
+
+
+def committed_keys(table: Table, spec: TableSpec, value: str | None) -> set[tuple]:
+    """The key tuples already in `table` (only the partition `spec.scope = value` when given)."""
     if table.current_snapshot() is None:
         return set()
-    row_filter = EqualTo("run_id", run_id) if run_id is not None else AlwaysTrue()
+    row_filter = EqualTo(spec.scope, value) if spec.scope is not None and value is not None else AlwaysTrue()
     data = table.scan(row_filter=row_filter, selected_fields=spec.key).to_arrow()
     columns = [data[c].to_pylist() for c in spec.key]
     return set(zip(*columns))
+
+
+def conform(data: pa.Table, table: Table) -> pa.Table:
+    """`data` (built with the spec's Arrow schema) with the table's own field ids and column order.
+
+    They differ in a table that gained columns after it was created (`ensure_tables` adds them
+    with fresh ids); PyIceberg matches columns by field id, so rows are re-labelled by name.
+    """
+    target = table.schema().as_arrow()
+    if data.schema.equals(target, check_metadata=True):
+        return data
+    columns = [data.column(f.name) if f.name in data.column_names else pa.nulls(data.num_rows, f.type)
+               for f in target]
+    return pa.Table.from_arrays(columns, schema=target)
 
 
 def _landed(table: Table, batch: str) -> bool:

@@ -30,4 +30,33 @@ def test_tables_follow_their_specs(catalog):
         assert [f.name for f in table.schema().fields] == [f.name for f in spec.schema.fields]
         assert all(table.schema().find_field(column).required for column in spec.key)
         partitions = [(f.name, str(f.transform)) for f in table.spec().fields]
-        assert partitions == ([("run_id", "identity")] if spec.run_scoped else [])
+        assert partitions == [(spec.scope, "identity")]
+
+
+def test_an_older_tasks_table_gains_the_dataset_column_and_partition(tmp_path, monkeypatch):
+    """A lake made before `tasks.dataset` existed: ensure_tables adds the column (old rows: NULL) and
+    the partition field, and the writer's rows (built with the new schema) still land."""
+    import pyarrow as pa
+    from pyiceberg.partitioning import PartitionSpec
+    from pyiceberg.schema import Schema
+
+    from factory.lake import TrajectoryWriter
+    from factory.lake.schemas import TABLES
+
+    monkeypatch.setenv("FACTORY_HOME", str(tmp_path))
+    catalog = open_catalog(namespace=None)
+    catalog.create_namespace("factory")
+    old = Schema(*[f for f in TABLES["tasks"].schema.fields if f.name != "dataset"])
+    table = catalog.create_table(("factory", "tasks"), schema=old, partition_spec=PartitionSpec())
+    table.append(pa.Table.from_pylist([{"task_id": "a/train/0", "family": "a", "question": "q", "answer": "1",
+                                        "split": "train"}], schema=old.as_arrow()))
+
+    catalog = open_catalog()
+    table = catalog.load_table(("factory", "tasks"))
+    assert [f.name for f in table.schema().fields][-1] == "dataset"
+    assert [(f.name, str(f.transform)) for f in table.spec().fields] == [("dataset", "identity")]
+    with TrajectoryWriter(catalog) as writer:
+        row = {"task_id": "a/train/0", "family": "a", "question": "q2", "answer": "2", "split": "train"}
+        assert writer.append("tasks", [{**row, "dataset": "d1"}]) == 1
+    rows = sorted(table.refresh().scan().to_arrow().to_pylist(), key=lambda r: r["question"])
+    assert [(r["dataset"], r["question"]) for r in rows] == [(None, "q"), ("d1", "q2")]

@@ -190,3 +190,43 @@ def test_sample_rows_from_a_trained_batch(catalog):
     assert [(r["staleness"], r["trained_step"], r["trained_version"]) for r in back] == [
         (5, 9, 5), (4, 9, 5), (3, 9, 5)]  # staleness = 5 − oldest sampled version i
     assert back[2]["versions"] == [2, -1, 4] and json.loads(back[0]["timings"]) == {"generate_s": 0.5}
+
+
+def task_row(dataset: str, task_id: str, question: str) -> dict:
+    return {"dataset": dataset, "task_id": task_id, "family": "a", "question": question, "answer": "1",
+            "split": "train"}
+
+
+def test_tasks_are_keyed_by_dataset_and_task_id(catalog):
+    """Task ids repeat across datasets (a/train/0 in each): each dataset keeps its own rows, once."""
+    with TrajectoryWriter(catalog) as writer:
+        assert writer.append("tasks", [task_row("d1", "a/train/0", "1+1"), task_row("d1", "a/train/1", "1+2")]) == 2
+        assert writer.append("tasks", [task_row("d2", "a/train/0", "7+7")]) == 1
+    with TrajectoryWriter(catalog) as writer:  # a new writer reads the committed keys back per dataset
+        assert writer.append("tasks", [task_row("d1", "a/train/0", "1+1"), task_row("d2", "a/train/1", "7+8")]) == 1
+    back = sorted((r["dataset"], r["task_id"], r["question"]) for r in _rows(catalog, "tasks"))
+    assert back == [("d1", "a/train/0", "1+1"), ("d1", "a/train/1", "1+2"), ("d2", "a/train/0", "7+7"),
+                    ("d2", "a/train/1", "7+8")]
+
+
+def test_rewind_deletes_a_runs_rows_beyond_a_checkpoint(catalog):
+    """A run resumed from its step-2 checkpoint: its rows of steps 3-4 go, other runs keep theirs,
+    and the steps it trains again land once, from the new attempt."""
+    with TrajectoryWriter(catalog, run_id="r") as writer:
+        writer.append("samples", [sample_row("r", f"s{step}-{i}", step=step) for step in (1, 2, 3, 4) for i in (0, 1)])
+        writer.append("steps", [step_row("r", step) for step in (1, 2, 3, 4)])
+        writer.append("samples", [sample_row("other", "s4-0", step=4)])
+    with TrajectoryWriter(catalog, run_id="r") as writer:
+        assert writer.rewind(2) == {"samples": 4, "steps": 2}
+        assert writer.position("samples") == 2 and writer.position("steps") == 2
+        assert writer.rewind(2) == {}
+        again = [sample_row("r", f"s{step}-{i}", step=step, reward=0.0) for step in (3, 4) for i in (0, 1)]
+        assert writer.append("samples", again) == 4  # the deleted keys are free again
+        writer.append("steps", [step_row("r", step) for step in (3, 4)])
+    samples = _rows(catalog, "samples")
+    mine = [r for r in samples if r["run_id"] == "r"]
+    assert sorted(r["sample_id"] for r in mine) == sorted({r["sample_id"] for r in mine}) and len(mine) == 8
+    assert {r["sample_id"]: r["reward"] for r in mine if r["trained_step"] > 2} == {
+        "s3-0": 0.0, "s3-1": 0.0, "s4-0": 0.0, "s4-1": 0.0}
+    assert [r["sample_id"] for r in samples if r["run_id"] == "other"] == ["s4-0"]
+    assert sorted(r["step"] for r in _rows(catalog, "steps")) == [1, 2, 3, 4]
