@@ -1,12 +1,13 @@
 """Synchronous vs asynchronous training on a heavy-tailed environment, side by side.
 
-The same small recipe runs at η = 0 (synchronous) and η = 2 (asynchronous) against one shared
-vLLM server. The environment's episodes take `fast_s` after the model replies, except a fraction
+The same small recipe runs at each η (0 synchronous, 1 one-step off-policy, k asynchronous) and,
+for η > 0, each partial-rollout mode (wait, abort_resume, inflight), against one shared vLLM
+server. The environment's episodes take `fast_s` after the model replies, except a fraction
 `slow_fraction` that take `slow_s` (about 20× longer): the long tail that synchronous training
-waits for. Prints time to train N samples, the ratio, and the trainer's idle fraction; writes
-bench/results/async_speedup.json.
+waits for. Prints time to train N samples, the speed-up over the first row, the trainer's idle
+fraction and the held-out accuracy after training; writes bench/results/async_speedup.json.
 
-    python bench/async_speedup.py [--steps 12] [--etas 0 2]
+    python bench/async_speedup.py [--steps 12] [--etas 0 1 4] [--modes wait abort_resume inflight]
 """
 
 from __future__ import annotations
@@ -27,19 +28,23 @@ HEAVY_TAIL = ["environment.latency.fast_s=0.05", "environment.latency.slow_s=1.0
               "environment.latency.slow_fraction=0.1"]
 
 
-def bench_recipe(eta: int, steps: int):
+def bench_recipe(eta: int, steps: int, mode: str = "wait", heldout: int = 0):
     from factory.recipe import load_recipe
 
     return load_recipe(REPO / "recipes" / "default.yaml", HEAVY_TAIL + [
         f"async.max_staleness={eta}", f"train.steps={steps}", "train.checkpoint_every=0",
-        "eval.before=false", "eval.after=false", "name=bench-async",
+        f"rollout.partial_rollout={mode}", "eval.before=false", f"eval.after={str(heldout > 0).lower()}",
+        f"eval.heldout={max(heldout, 1)}", "name=bench-async",
     ])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--etas", type=int, nargs="+", default=[0, 2])
+    ap.add_argument("--etas", type=int, nargs="+", default=[0, 1, 4])
+    ap.add_argument("--modes", nargs="+", default=["wait", "abort_resume", "inflight"],
+                    help="partial-rollout modes to run at each η > 0 (η = 0 runs wait only)")
+    ap.add_argument("--heldout", type=int, default=300, help="held-out tasks scored after each run (0: none)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "async_speedup.json"))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -57,27 +62,33 @@ def main() -> int:
     with local_ray(), tempfile.TemporaryDirectory() as tmp:
         engine = EngineActor.remote("vllm", str(policy), base.rollout, str(Path(tmp) / "vllm.log"))
         ray.get(engine.start.remote())
-        for eta in args.etas:
-            recipe = bench_recipe(eta, args.steps)
+        grid = [(eta, mode) for eta in args.etas for mode in (["wait"] if eta == 0 else args.modes)]
+        for eta, mode in grid:
+            recipe = bench_recipe(eta, args.steps, mode, args.heldout)
             t0 = time.perf_counter()
-            res = run(recipe, Path(tmp) / f"eta{eta}", engines=[engine])
+            res = run(recipe, Path(tmp) / f"eta{eta}-{mode}", engines=[engine])
+            after = res.get("after") or {}
             rows.append({
-                "max_staleness": eta, "steps": args.steps, "samples_trained": res["samples_trained"],
+                "max_staleness": eta, "partial_rollout": mode, "steps": args.steps,
+                "samples_trained": res["samples_trained"],
+                "heldout_accuracy": after.get("mean"), "heldout_stderr": after.get("stderr"),
                 "train_seconds": res["train_seconds"], "wall_seconds": time.perf_counter() - t0,
                 "samples_per_s": res["samples_trained"] / res["train_seconds"],
                 "trainer_idle_fraction": res["trainer_idle_fraction"],
                 "weight_sync_seconds": res["weight_sync_seconds"],
             })
-            print(f"η={eta}: {res['samples_trained']} samples in {res['train_seconds']:.1f}s "
+            print(f"η={eta} {mode}: {res['samples_trained']} samples in {res['train_seconds']:.1f}s "
                   f"(idle {res['trainer_idle_fraction']:.0%})", flush=True)
         ray.get(engine.stop.remote())
 
     sync = rows[0]
-    print(f"\n{'η':>3} {'samples':>8} {'train s':>8} {'samples/s':>10} {'speedup':>8} {'trainer idle':>13}")
+    print(f"\n{'η':>3} {'mode':>13} {'samples':>8} {'train s':>8} {'samples/s':>10} {'speedup':>8} "
+          f"{'trainer idle':>13} {'held-out':>9}")
     for r in rows:
         r["speedup_vs_first"] = sync["train_seconds"] / r["train_seconds"] * r["samples_trained"] / sync["samples_trained"]
-        print(f"{r['max_staleness']:>3} {r['samples_trained']:>8} {r['train_seconds']:>8.1f} "
-              f"{r['samples_per_s']:>10.1f} {r['speedup_vs_first']:>7.2f}x {r['trainer_idle_fraction']:>12.0%}")
+        acc = "" if r["heldout_accuracy"] is None else f"{r['heldout_accuracy']:.3f}"
+        print(f"{r['max_staleness']:>3} {r['partial_rollout']:>13} {r['samples_trained']:>8} {r['train_seconds']:>8.1f} "
+              f"{r['samples_per_s']:>10.1f} {r['speedup_vs_first']:>7.2f}x {r['trainer_idle_fraction']:>12.0%} {acc:>9}")
     out = {"workload": {"latency": HEAVY_TAIL, "recipe": "recipes/default.yaml"}, "runs": rows,
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

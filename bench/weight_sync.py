@@ -1,0 +1,208 @@
+"""Weight sync, side by side: what moving the trainer's weights into a live vLLM server costs.
+
+Rows, all in one run against one vLLM server and one trainer:
+- `raw_gloo`: the same bucketed bytes broadcast over gloo to a plain receiver actor (no model):
+  the floor any in-process sync pays.
+- `broadcast/<mode>`: the full sync the run loop does (`factory.run.publish_weights`) — close the
+  engine, gloo broadcast into the vLLM worker and re-pack its weights, reset the prefix cache,
+  reopen — under each partial-rollout mode.
+- `disk`: the fallback: save an HF checkpoint, `reload_weights` from it.
+- `lora`: adapter-only sync, when the recipe trains a LoRA adapter (see the README: not built yet,
+  so the row is absent rather than faked).
+
+While each row runs, a load of concurrent requests keeps generating; a sync happens every
+`--interval` seconds. Reported per row: seconds per sync (mean, p50, max), the share of the row's
+wall time generation was paused (engine closed or frozen), and the tokens generated per second
+under that regime. Writes bench/results/weight_sync.json.
+
+    python bench/weight_sync.py [--syncs 10] [--interval 1.0] [--concurrency 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+@ray.remote(num_cpus=0)
+class RawReceiver:
+    """Receives the trainer's buckets into fresh tensors and does nothing with them."""
+
+    def init(self, host: str, port: int, plan_json: str) -> None:
+        from factory.weightsync import BucketPlan, make_gloo_group
+
+        self.group, self.store = make_gloo_group(host, port, 1, 2)
+        self.plan = BucketPlan.from_json(plan_json)
+
+    def receive(self) -> int:
+        import torch
+
+        from factory.weightsync import DTYPES
+
+        got = 0
+        for i in range(len(self.plan.buckets)):
+            flat = torch.empty(self.plan.bucket_numel(i), dtype=DTYPES[self.plan.dtype])
+            self.group.broadcast(flat, 0).wait()
+            got += flat.numel() * flat.element_size()
+        return got
+
+
+class Load:
+    """Keeps `concurrency` requests in flight against the engine from a background thread."""
+
+    def __init__(self, engine, prompt: list[int], concurrency: int, max_new_tokens: int):
+        from factory.rollout.engine import SamplingParams
+
+        self.engine, self.prompt, self.concurrency = engine, prompt, concurrency
+        self.sampling = SamplingParams(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
+        self.tokens = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._n = 0
+
+    def _submit(self):
+        self._n += 1
+        return self.engine.generate.remote(self.prompt, self.sampling, f"load-{self._n}")
+
+    def _loop(self) -> None:
+        inflight = [self._submit() for _ in range(self.concurrency)]
+        while not self._stop.is_set():
+            done, inflight = ray.wait(inflight, num_returns=1, timeout=1.0)
+            for ref in done:
+                self.tokens += len(ray.get(ref).token_ids)
+                inflight.append(self._submit())
+        ray.get(inflight)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def timed_rows(name: str, sync, syncs: int, interval: float, load: Load | None) -> dict:
+    """Run `sync()` `syncs` times, `interval` s apart, measuring sync seconds and paused share."""
+    seconds = []
+    tokens0 = load.tokens if load else 0
+    t_start = time.perf_counter()
+    for _ in range(syncs):
+        time.sleep(interval)
+        t0 = time.perf_counter()
+        sync()
+        seconds.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - t_start
+    row = {"method": name, "syncs": syncs, "sync_s_mean": statistics.mean(seconds),
+           "sync_s_p50": statistics.median(seconds), "sync_s_max": max(seconds),
+           "paused_share": sum(seconds) / wall, "wall_s": wall}
+    if load is not None:
+        row["tokens_per_s_under_load"] = (load.tokens - tokens0) / wall
+    print(f"{name:>24}: {row['sync_s_mean'] * 1000:7.1f} ms/sync (p50 {row['sync_s_p50'] * 1000:.1f}, "
+          f"max {row['sync_s_max'] * 1000:.1f})", flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--syncs", type=int, default=10)
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds of generation between syncs")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--modes", nargs="+", default=["wait", "abort_resume", "inflight"])
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "weight_sync.json"))
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from transformers import AutoTokenizer
+
+    from factory.model.sft import ensure_base_policy
+    from factory.model.tokens import encode_chat
+    from factory.recipe import load_recipe
+    from factory.rollout.vllm import free_port
+    from factory.run import connect_broadcast, publish_weights
+    from factory.runtime.actors import EngineActor, TrainerActor
+    from factory.runtime.cluster import local_ray
+
+    recipe = load_recipe(REPO / "recipes" / "default.yaml", ["name=bench-weight-sync"])
+    policy = ensure_base_policy(recipe)
+    prompt = encode_chat(AutoTokenizer.from_pretrained(policy), [{"role": "user", "content": "Calculate 12 + 34."}])
+    rows = []
+    with local_ray(), tempfile.TemporaryDirectory() as tmp:
+        trainer = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
+        plan = ray.get(trainer.plan_json.remote())
+        from factory.weightsync import BucketPlan
+
+        total_bytes = BucketPlan.from_json(plan).total_bytes
+
+        # the floor: the same buckets over gloo into a receiver that does nothing with them
+        receiver = RawReceiver.remote()
+        port = free_port()
+        ray.get([trainer.init_broadcast.remote("127.0.0.1", port, 2), receiver.init.remote("127.0.0.1", port, plan)])
+        sent = []
+
+        def raw():
+            sent.append(ray.get([trainer.broadcast.remote(), receiver.receive.remote()])[0])
+
+        rows.append(timed_rows("raw_gloo", raw, args.syncs, 0.0, None))
+        rows[-1].update(bytes=sent[-1], paused_share=None)  # no engine, nothing to pause
+        ray.kill(receiver)
+
+        engine = EngineActor.remote("vllm", str(policy), recipe.rollout, str(Path(tmp) / "vllm.log"))
+        ray.get(engine.start.remote())
+        connect_broadcast([engine], trainer)
+        version = [0]
+
+        def full(mode: str):
+            def sync():
+                version[0] += 1
+                publish_weights([engine], trainer, version[0], mode, Path(tmp) / "weights")
+            return sync
+
+        with Load(engine, prompt, args.concurrency, args.max_new_tokens) as load:
+            time.sleep(3.0)  # warm-up: the first requests of a fresh server are slow
+            t0, tok0 = time.perf_counter(), load.tokens
+            time.sleep(args.interval * args.syncs / 2)
+            baseline = (load.tokens - tok0) / (time.perf_counter() - t0)
+            print(f"{'no sync':>24}: {baseline:.0f} tokens/s", flush=True)
+            for mode in args.modes:
+                ray.get(engine.set_partial_rollout.remote(mode))
+                rows.append(timed_rows(f"broadcast/{mode}", full("broadcast"), args.syncs, args.interval, load))
+                rows[-1]["bytes"] = sent[-1]
+            ray.get(engine.set_partial_rollout.remote("wait"))
+            rows.append(timed_rows("disk", full("disk"), args.syncs, args.interval, load))
+        ray.get(engine.stop.remote())
+
+    raw_s = rows[0]["sync_s_mean"]
+    print(f"\n{'method':>24} {'ms/sync':>8} {'x raw':>6} {'paused':>7} {'tok/s':>7}")
+    for r in rows:
+        r["vs_raw_gloo"] = r["sync_s_mean"] / raw_s
+        tps = r.get("tokens_per_s_under_load")
+        paused = "" if r["paused_share"] is None else f"{r['paused_share']:.1%}"
+        print(f"{r['method']:>24} {r['sync_s_mean'] * 1000:>8.1f} {r['vs_raw_gloo']:>5.1f}x {paused:>7} "
+              f"{'' if tps is None else f'{tps:.0f}':>7}")
+    out = {"rows": rows, "generation_tokens_per_s_without_sync": baseline, "plan_bytes": total_bytes,
+           "settings": vars(args), "lora": "not built yet: no LoRA row",
+           "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
