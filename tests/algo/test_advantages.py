@@ -135,3 +135,54 @@ def test_grpo_epsilon_keeps_tiny_spreads_finite():
     expected = 5e-8 / (5e-8 + 1e-6)
     assert math.isclose(out[0, 1].item(), expected, rel_tol=1e-3)
     assert math.isclose(out[0, 0].item(), -expected, rel_tol=1e-3)
+
+
+# ---------------------------------------------------------------- REINFORCE++ and batch scope
+
+
+def test_reinforce_pp_normalises_over_the_whole_batch():
+    # rewards 1, 0, 0, 0: batch mean 0.25, population std sqrt((0.75^2 + 3 * 0.25^2) / 4) = sqrt(0.1875)
+    # -> A = 0.75 / 0.433013 = 1.732051 and -0.25 / 0.433013 = -0.577350; the [0, 0] group is not 0
+    out = advantages("reinforce_pp", [[1.0, 0.0], [0.0, 0.0]])
+    torch.testing.assert_close(out, torch.tensor([[1.732051, -0.577350], [-0.577350, -0.577350]]))
+
+
+def test_reinforce_pp_constant_batch_is_zero():
+    assert torch.equal(advantages("reinforce_pp", [[2.0, 2.0], [2.0, 2.0]]), torch.zeros(2, 2))
+
+
+def test_batch_advantages_handles_unequal_groups():
+    from factory.algo import batch_advantages
+
+    rewards = torch.tensor([1.0, 0.0, 3.0, 1.0, 2.0])
+    # dr_grpo per group [1, 0], [3, 1, 2]: means 0.5 and 2 -> [0.5, -0.5, 1, -1, 0]
+    torch.testing.assert_close(batch_advantages("dr_grpo", rewards, [2, 3]),
+                               torch.tensor([0.5, -0.5, 1.0, -1.0, 0.0]))
+    # reinforce_pp ignores the groups: mean 1.4, std sqrt(1.04) = 1.019804
+    expected = (rewards - 1.4) / (1.04 ** 0.5 + 1e-6)
+    torch.testing.assert_close(batch_advantages("reinforce_pp", rewards, [2, 3]), expected)
+    with pytest.raises(ValueError, match="add up"):
+        batch_advantages("grpo", rewards, [2, 2])
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        batch_advantages("nope", rewards, [5])
+
+
+def test_register_advantage_rejects_an_unknown_scope():
+    with pytest.raises(ValueError, match="scope"):
+        register_advantage("x_scope_test", scope="token")
+
+
+# ---------------------------------------------------------------- DAPO overlong reward shaping
+
+
+def test_overlong_penalty_hand_values():
+    # L_max 8, L_cache 4: 0 up to 4 tokens, then (4 - L) / 4: 5 -> -0.25, 6 -> -0.5, 8 -> -1; beyond 8 -> -1
+    from factory.algo import overlong_penalty
+
+    out = overlong_penalty(torch.tensor([3, 4, 5, 6, 8, 9]), max_len=8, buffer_len=4)
+    torch.testing.assert_close(out, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
+    scaled = overlong_penalty(torch.tensor([6]), max_len=8, buffer_len=4, factor=0.5)
+    torch.testing.assert_close(scaled, torch.tensor([-0.25]))
+    assert torch.equal(overlong_penalty(torch.tensor([8, 9]), 8, 0), torch.zeros(2))
+    with pytest.raises(ValueError, match="overlong buffer"):
+        overlong_penalty(torch.tensor([1]), max_len=8, buffer_len=9)
