@@ -2,7 +2,6 @@
 recovery of failed RL runs from their last checkpoint (a run-failure sensor). Each is a small
 factory taking the job it launches."""
 
-import os
 from pathlib import Path
 
 import dagster as dg
@@ -12,10 +11,6 @@ from assets.runs import (
     SAVED_RECIPE, SWEEP_RUN_TAG, is_finished, latest_checkpoint, load_recipe_or_fail, rl_run_config, run_dir,
     runs_in_progress,
 )
-
-DEFAULT_MAX_RESTARTS = 3
-MAX_RESTARTS_ENV = "FACTORY_MAX_RESTARTS"
-
 
 # ---- evaluations -----------------------------------------------------------------------------
 
@@ -86,14 +81,8 @@ def user_error_of(instance: dg.DagsterInstance, run_id: str) -> str | None:
 
 
 def max_restarts(directory: Path) -> int:
-    """The run's restart budget: the recipe's `train.max_restarts` once it has one, else
-    $FACTORY_MAX_RESTARTS, else 3."""
-    try:
-        recipe = load_recipe_or_fail(directory / SAVED_RECIPE)
-    except dg.Failure:
-        recipe = None
-    budget = getattr(recipe.train, "max_restarts", None) if recipe is not None else None
-    return int(budget if budget is not None else os.environ.get(MAX_RESTARTS_ENV, DEFAULT_MAX_RESTARTS))
+    """The run's restart budget: `train.max_restarts` of the recipe saved in its directory."""
+    return load_recipe_or_fail(directory / SAVED_RECIPE).train.max_restarts
 
 
 def build_recovery_sensor(job) -> dg.SensorDefinition:
@@ -116,7 +105,10 @@ def build_recovery_sensor(job) -> dg.SensorDefinition:
         if not (directory / SAVED_RECIPE).is_file():
             return dg.SkipReason(f"{key}: no recipe saved in {directory}: nothing to relaunch")
         attempt = int(failed.tags.get(ATTEMPT_TAG, "0")) + 1
-        budget = max_restarts(directory)
+        try:
+            budget = max_restarts(directory)
+        except dg.Failure as err:  # the saved recipe no longer loads: a relaunch would fail the same way
+            return dg.SkipReason(f"{key}: not relaunched: {err.description}")
         if attempt > budget:
             return dg.SkipReason(f"{key}: restart budget of {budget} used up; last failed run {failed.run_id}")
         checkpoint = latest_checkpoint(directory)

@@ -143,6 +143,8 @@ class TrainSection(Section):
     grad_clip: float = Field(1.0, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
     checkpoint_every: int = Field(100, ge=0, description="0 saves only the final checkpoint")
+    max_restarts: int = Field(3, ge=0, description="times a crashed run is relaunched from its last checkpoint "
+                              "(Dagster's rl_run_recovery sensor)")
     threads: int = Field(1, gt=0)
     seed: int = 0
 

@@ -10,31 +10,46 @@ from typing import Any
 from factory.types import Batch
 
 
-class RunRecorder:
-    """Fans each step's batch and metrics out to run-dir files, the lake and MLflow."""
+def checkpoint_version(checkpoint: Path) -> int:
+    """The policy version (= optimizer steps taken) a checkpoint holds: a resumed run trains from version + 1."""
+    return int(json.loads((Path(checkpoint) / "state.json").read_text())["version"])
 
-    def __init__(self, recipe, run_dir: Path, run_id: str | None = None):
+
+class RunRecorder:
+    """Fans each step's batch and metrics out to run-dir files, the lake and MLflow.
+
+    A run resumed from a checkpoint (`resume_from`) continues the same lake partition and MLflow
+    run; first the lake is rewound to the checkpoint (rows of later steps, written by the attempt
+    that crashed, are deleted), so every step and sample is recorded once, from the attempt whose
+    training the checkpoint chain holds.
+    """
+
+    def __init__(self, recipe, run_dir: Path, run_id: str | None = None, resume_from: Path | None = None):
         self.dir = run_dir
         self.run_id = run_id or run_dir.name
+        start = checkpoint_version(resume_from) if resume_from is not None else 0
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
         self.metrics_file = open(run_dir / "metrics.jsonl", "a")
         self.samples_file = open(run_dir / "samples.jsonl", "a")
         self.staleness: list[int] = []
         self.lake = None
+        self.rewound: dict[str, int] = {}
         if recipe.lake.enabled:
             from factory.lake.catalog import open_catalog
             from factory.lake.writer import TrajectoryWriter
 
             catalog = open_catalog(recipe.lake.catalog or None, namespace=recipe.lake.namespace)
             self.lake = TrajectoryWriter(catalog, recipe.lake.namespace, run_id=self.run_id)
+            self.rewound = self.lake.rewind(start)  # {table: rows deleted}; empty for a new run
         self.tracker = None
         if recipe.tracking.enabled:
             from factory.tracking import RunTracker
 
             self.tracker = RunTracker(recipe.tracking.uri, recipe.tracking.experiment)
             resume = self.tracker.find_run(self.run_id)  # a relaunched run continues its MLflow run
-            self.tracker.start(self.run_id, params=recipe.dump(), resume_run_id=resume)
+            tags = {"factory.resumed_from_step": str(start)} if resume_from is not None else {}
+            self.tracker.start(self.run_id, params=recipe.dump(), tags=tags, resume_run_id=resume)
 
     def log_batch(self, batch: Batch, step: int) -> None:
         rows = []

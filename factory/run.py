@@ -84,7 +84,7 @@ def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | N
     benchmarks share one vLLM server this way); they are given this run's weights first and are
     left running at the end. Without it the run starts and stops its own.
     """
-    record = RunRecorder(recipe, run_dir)
+    record = RunRecorder(recipe, run_dir, resume_from=resume_from)
     try:
         results = _run(recipe, run_dir, record, on_step, on_phase or (lambda _: None), resume_from, engines,
                        on_sft_step)

@@ -17,7 +17,6 @@ def state(tmp_path, monkeypatch):
     home = tmp_path / "state"
     monkeypatch.setenv("FACTORY_HOME", str(home))
     monkeypatch.delenv("FACTORY_DEPLOYMENT", raising=False)
-    monkeypatch.delenv("FACTORY_MAX_RESTARTS", raising=False)
     return home
 
 

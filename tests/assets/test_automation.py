@@ -70,13 +70,17 @@ def test_recovery_relaunches_from_the_latest_checkpoint(defs, instance):
     assert request.tags == {**relaunch_tags, PARENT_RUN_TAG: second.run_id, ATTEMPT_TAG: "2"}
 
 
-def test_recovery_stops_at_the_restart_budget(defs, instance, monkeypatch):
-    save_recipe("r2")
+def test_recovery_stops_at_the_recipes_restart_budget(defs, instance):
+    save_recipe("r2")  # train.max_restarts: 3 by default
     run = failed_run(defs, instance, "r2", tags={ATTEMPT_TAG: "3"})
     skip = on_failure(defs, instance, run)
     assert isinstance(skip, dg.SkipReason) and "restart budget of 3 used up" in skip.skip_message
-    monkeypatch.setenv("FACTORY_MAX_RESTARTS", "5")
+    (run_dir("r2") / "recipe.yaml").write_text(
+        load_recipe(REPO_ROOT / "recipes" / "default.yaml", [*FAILING_OVERRIDES, "train.max_restarts=5"]).to_yaml())
     assert on_failure(defs, instance, run).tags[ATTEMPT_TAG] == "4"
+    (run_dir("r2") / "recipe.yaml").write_text(
+        load_recipe(REPO_ROOT / "recipes" / "default.yaml", [*FAILING_OVERRIDES, "train.max_restarts=0"]).to_yaml())
+    assert "restart budget of 0 used up" in on_failure(defs, instance, run).skip_message
 
 
 @pytest.mark.parametrize("case", ["user_error", "finished"])

@@ -1,0 +1,53 @@
+"""RunRecorder on a real lake and MLflow store: a resumed run rewinds its lake partition to the
+checkpoint and continues its MLflow run."""
+
+from __future__ import annotations
+
+import json
+
+from mlflow import MlflowClient
+
+from factory.lake import TrajectoryWriter, open_catalog, sql
+from factory.recipe import load_recipe
+from factory.recording import RunRecorder
+from factory.paths import REPO_ROOT
+from factory.tracking import RunTracker, default_tracking_uri
+from tests.lake.rows import sample_row, step_row
+
+
+def test_a_resumed_run_rewinds_the_lake_and_continues_its_mlflow_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    recipe = load_recipe(REPO_ROOT / "recipes" / "default.yaml", ["lake.enabled=true", "tracking.enabled=true"])
+    run_dir = tmp_path / "run-1"
+
+    first = RunRecorder(recipe, run_dir)  # the first attempt: 4 steps recorded, then it dies
+    first.lake.append("samples", [sample_row("run-1", f"s{step}", step=step) for step in (1, 2, 3, 4)])
+    for step in (1, 2, 3, 4):
+        first.log_step(step, {"train/loss": 1.0 / step})
+    first.fail()
+    mlflow_run = first.tracker.run_id
+
+    checkpoint = run_dir / "checkpoints" / "step-000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "state.json").write_text(json.dumps({"version": 2, "step": 2}))
+    with TrajectoryWriter(open_catalog(), run_id="other") as other:  # another run's rows stay
+        other.append("steps", [step_row("other", 4)])
+
+    second = RunRecorder(recipe, run_dir, resume_from=checkpoint)
+    assert second.rewound == {"samples": 2, "steps": 2}
+    assert second.tracker.run_id == mlflow_run
+    second.lake.append("samples", [sample_row("run-1", f"s{step}", step=step, reward=0.0) for step in (3, 4)])
+    for step in (3, 4):
+        second.log_step(step, {"train/loss": 2.0 / step})
+    second.finish({"steps": 4})
+
+    rows = sql("SELECT run_id, step FROM steps ORDER BY 1, 2").to_pylist()
+    assert [(r["run_id"], r["step"]) for r in rows] == [("other", 4)] + [("run-1", s) for s in (1, 2, 3, 4)]
+    samples = sql("SELECT sample_id, reward FROM samples ORDER BY 1").to_pylist()
+    assert samples == [{"sample_id": "s1", "reward": 1.0}, {"sample_id": "s2", "reward": 1.0},
+                       {"sample_id": "s3", "reward": 0.0}, {"sample_id": "s4", "reward": 0.0}]
+    run = MlflowClient(default_tracking_uri()).get_run(mlflow_run)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["factory.resumed"] == "1" and run.data.tags["factory.resumed_from_step"] == "2"
+    assert RunTracker().find_run("run-1") == mlflow_run
