@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class RecipeError(ValueError):
@@ -119,6 +119,45 @@ class RolloutSection(Section):
     startup_timeout_s: float = Field(300, gt=0)
 
 
+class OffPolicyCorrection(Section):
+    """One entry of `algorithm.corrections`: a registered correction and the knobs it reads."""
+
+    name: str = Field(description="a registered correction (tis, icepop, opsm, version_reject, length_mask)")
+    level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="tis/icepop: the ratio per token, per sequence (product) or its geometric mean; "
+        "version_reject: drop stale tokens or whole sequences")
+    cap: float = Field(2.0, gt=0, description="tis: largest importance weight")
+    low: float = Field(0.5, ge=0, description="icepop: smallest kept ratio")
+    high: float = Field(2.0, gt=0, description="icepop: largest kept ratio")
+    delta: float = Field(0.01, ge=0, description="opsm: largest per-token KL(behaviour || current) a "
+                         "negative-advantage sample may have")
+    max_staleness: int = Field(1, ge=0, description="version_reject: oldest kept token, in versions behind")
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        from factory.algo import CORRECTIONS
+
+        if name not in CORRECTIONS:
+            raise ValueError(f"unknown {name!r}; choose one of {sorted(CORRECTIONS)}")
+        return name
+
+    @model_validator(mode="after")
+    def _reads_what_is_set(self) -> "OffPolicyCorrection":
+        from factory.algo import CORRECTION_PARAMS
+
+        takes = CORRECTION_PARAMS[self.name]
+        unused = sorted(self.model_fields_set - {"name"} - set(takes))
+        if unused:
+            raise ValueError(f"{self.name} does not read {', '.join(unused)}; it takes "
+                             f"{', '.join(takes) if takes else 'no parameters'}")
+        if self.name == "icepop" and self.low >= self.high:
+            raise ValueError(f"icepop: low ({self.low}) must be below high ({self.high})")
+        if self.name == "version_reject" and self.level == "geometric":
+            raise ValueError("version_reject: level must be 'token' or 'sequence'")
+        return self
+
+
 class AlgorithmSection(Section):
     advantage: str = Field("grpo", description="a registered advantage estimator")
     loss: str = Field("ppo_clip", description="a registered policy loss")
@@ -128,6 +167,60 @@ class AlgorithmSection(Section):
     kl_coef: float = Field(0.0, ge=0, description="KL to a frozen reference; 0 disables it")
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     filter_zero_variance: bool = True
+    proximal: Literal["behaviour", "current", "loglinear"] = Field(
+        "behaviour", validate_default=True,
+        description="the policy the loss's ratio is centred on: behaviour = the sampler's logprobs (plain PPO); "
+        "current = the policy before this step (exact; one optimizer step per batch); loglinear = AReaL's "
+        "estimate of the policy one version behind, from per-token versions")
+    behaviour_weight_cap: float = Field(5.0, gt=0, description="decoupled_ppo: tokens whose proximal/behaviour "
+                                        "probability ratio exceeds it are dropped")
+    corrections: list[OffPolicyCorrection] = Field(
+        default_factory=list, description="off-policy corrections, applied in order to per-token weights before "
+        "aggregation, e.g. [{name: tis, level: token, cap: 2.0}]")
+    max_token_staleness: int | None = Field(
+        None, ge=0, description="version-spread gate: a token more than this many versions behind the trainer is "
+        "stale; unset: only the spread is reported")
+    spread_action: Literal["none", "drop", "correct"] = Field(
+        "none", description="what the gate does to stale tokens: none = report them; drop = leave them out of the "
+        "loss; correct = centre their ratio on the current policy and weight them by min(current/behaviour, "
+        "spread_is_cap)")
+    spread_level: Literal["token", "sample"] = Field(
+        "token", description="the gate acts on the stale tokens only, or on every token of a sample holding one")
+    spread_is_cap: float = Field(2.0, gt=0, description="spread_action correct: largest importance weight")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty over the last N tokens before "
+                                 "rollout.max_new_tokens; 0 disables it")
+    overlong_penalty: float = Field(1.0, ge=0, description="reward subtracted at and beyond the length limit")
+
+    @field_validator("proximal")
+    @classmethod
+    def _decoupled_needs_a_proximal(cls, proximal: str, info) -> str:
+        if info.data.get("loss") == "decoupled_ppo" and proximal == "behaviour":
+            raise ValueError("decoupled_ppo needs 'current' or 'loglinear' (with 'behaviour' it is ppo_clip)")
+        return proximal
+
+    @field_validator("corrections")
+    @classmethod
+    def _ratio_corrections_need_a_proximal(cls, corrections: list, info) -> list:
+        from factory.algo import IS_CORRECTIONS
+
+        if info.data.get("proximal") == "behaviour":
+            for c in corrections:
+                if c.name in IS_CORRECTIONS:
+                    raise ValueError(f"{c.name} weighs the proximal/behaviour ratio, which is 1 with algorithm.proximal "
+                                     "'behaviour'; set proximal to 'current' or 'loglinear'")
+        return corrections
+
+    @field_validator("spread_action")
+    @classmethod
+    def _gate_needs_a_limit(cls, action: str, info) -> str:
+        if action != "none" and info.data.get("max_token_staleness") is None:
+            raise ValueError(f"{action!r} needs algorithm.max_token_staleness")
+        weighted = info.data.get("loss") == "decoupled_ppo" or any(
+            c.name == "tis" for c in info.data.get("corrections") or [])
+        if action == "correct" and weighted:
+            raise ValueError("'correct' importance-weights the stale tokens, which decoupled_ppo or a tis correction "
+                             "already does; use 'drop' or remove one")
+        return action
 
 
 class AsyncSection(Section):
