@@ -102,7 +102,9 @@ class RolloutSection(Section):
                                 "(benchmarks and tests use it to force long generations)")
     max_model_len: int = Field(256, gt=16, description="prompt + completion tokens an engine accepts")
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    weight_sync: Literal["broadcast", "disk"] = "broadcast"
+    weight_sync: Literal["broadcast", "disk", "lora"] = Field(
+        "broadcast", description="broadcast: gloo buckets into the vLLM worker; disk: reload a saved "
+        "checkpoint; lora: load the trained adapter in place (needs train.lora.enabled)")
     bucket_mb: int = Field(16, gt=0)
     kv_cache_gb: int = Field(2, gt=0)
     cpus: int = Field(1, gt=0, description="threads for each engine")
@@ -228,6 +230,17 @@ class AsyncSection(Section):
     max_inflight_groups: int = Field(32, gt=0)
 
 
+class LoraSection(Section):
+    """Train a LoRA adapter instead of the full weights (PEFT); engines then receive only the adapter."""
+
+    enabled: bool = False
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
 class TrainSection(Section):
     steps: int = Field(400, gt=0)
     groups_per_step: int = Field(8, gt=0, description="B prompts per optimizer step")
@@ -238,6 +251,7 @@ class TrainSection(Section):
     checkpoint_every: int = Field(100, ge=0, description="0 saves only the final checkpoint")
     max_restarts: int = Field(3, ge=0, description="times a crashed run is relaunched from its last checkpoint "
                               "(Dagster's rl_run_recovery sensor)")
+    lora: LoraSection = Field(default_factory=LoraSection)
     threads: int = Field(1, gt=0)
     seed: int = 0
 
@@ -290,6 +304,9 @@ class Recipe(Section):
         for path, value, registry in checks:
             if value not in registry:
                 raise ValueError(f"{path}: unknown {value!r}; choose one of {sorted(registry)}")
+        if (self.rollout.weight_sync == "lora") != self.train.lora.enabled:
+            raise ValueError("rollout.weight_sync: use 'lora' exactly when train.lora.enabled is true "
+                             f"(got weight_sync={self.rollout.weight_sync!r}, lora.enabled={self.train.lora.enabled})")
         return self
 
     def dump(self) -> dict[str, Any]:

@@ -45,6 +45,9 @@ def publish_weights(engines, trainer, version: int, mode: str, scratch: Path) ->
     t1 = time.perf_counter()
     if mode == "broadcast":
         ray.get([trainer.broadcast.remote()] + [e.receive_broadcast.remote() for e in engines])
+    elif mode == "lora":  # the adapter alone, loaded in place
+        path = ray.get(trainer.save_adapter.remote(str(scratch / "adapter")))
+        ray.get([e.load_lora.remote(path) for e in engines])
     else:
         path = ray.get(trainer.save_hf.remote(str(scratch)))
         ray.get([e.load_from_disk.remote(path) for e in engines])
@@ -108,8 +111,10 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         phase("starting engines, trainer, buffer, env workers")
         own_engines = engines is None
         if own_engines:
+            lora_rank = recipe.train.lora.rank if recipe.train.lora.enabled else 0
             engines = [EngineActor.remote(recipe.rollout.engine, str(policy), recipe.rollout,
-                                          str(run_dir / f"engine-{i}.log")) for i in range(recipe.rollout.num_engines)]
+                                          str(run_dir / f"engine-{i}.log"), lora_rank)
+                       for i in range(recipe.rollout.num_engines)]
         trainer = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
         buffer = BufferActor.remote(recipe.name, source.train, recipe.train.groups_per_step,
                                     recipe.async_.max_staleness, recipe.async_.max_inflight_groups,

@@ -1,7 +1,8 @@
 """The trainer: fresh logprobs -> registry loss -> AdamW step; checkpoints; weights for sync.
 
-It knows no algorithm: the advantage estimator and the policy loss are looked up by the names in
-the recipe's `algorithm` section. It knows no runtime either: `runtime/` wraps it in a Ray actor.
+It knows no algorithm: the advantage estimator, the policy loss, the off-policy corrections and the
+version-spread gate are looked up by the names in the recipe's `algorithm` section and chained by
+`factory.algo.policy_objective`. It knows no runtime either: `runtime/` wraps it in a Ray actor.
 """
 
 from __future__ import annotations
@@ -14,12 +15,23 @@ from typing import Any
 
 import torch
 
-from factory.algo import ADVANTAGES, POLICY_LOSSES, LossConfig, aggregate, kl_penalty
-from factory.types import Batch, Sample
+from factory.algo import (
+    CorrectionConfig,
+    LossConfig,
+    LossContext,
+    ObjectiveConfig,
+    aggregate,
+    batch_advantages,
+    kl_penalty,
+    overlong_penalty,
+    policy_objective,
+)
+from factory.types import NOT_SAMPLED, Batch, Sample
 
 
 def pad_samples(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded [B, L] inputs plus completion-aligned [B, T] behaviour logprobs and mask."""
+    """Right-padded [B, L] inputs plus completion-aligned [B, T] behaviour logprobs, mask and
+    versions (NOT_SAMPLED at padding), [B] truncation flags and [B] sampled-token counts."""
     width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     t_max = max(len(s.completion_ids) for s in samples)
     n = len(samples)
@@ -27,6 +39,7 @@ def pad_samples(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     attn = torch.zeros((n, width), dtype=torch.long)
     old_logp = torch.zeros((n, t_max))
     mask = torch.zeros((n, t_max))
+    versions = torch.full((n, t_max), NOT_SAMPLED, dtype=torch.long)
     prompt_lens = []
     for i, s in enumerate(samples):
         seq = s.prompt_ids + s.completion_ids
@@ -35,9 +48,12 @@ def pad_samples(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         t = len(s.completion_ids)
         old_logp[i, :t] = torch.tensor(s.logprobs, dtype=torch.float32)
         mask[i, :t] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        versions[i, :t] = torch.tensor(s.versions, dtype=torch.long)
         prompt_lens.append(len(s.prompt_ids))
     out = {"input_ids": ids, "attention_mask": attn, "old_logp": old_logp, "mask": mask,
-           "prompt_lens": torch.tensor(prompt_lens), "t_max": t_max}
+           "prompt_lens": torch.tensor(prompt_lens), "t_max": t_max, "versions": versions,
+           "truncated": torch.tensor([s.finish_reason == "length" for s in samples]),
+           "sampled_lens": torch.tensor([sum(s.loss_mask) for s in samples])}
     k_max = max((len(c) for s in samples for c in s.support), default=0)
     if k_max:  # the sampler's candidate sets, [B, T, K] ids padded with -1 (all -1: unknown)
         support = torch.full((n, t_max, k_max), -1, dtype=torch.long)
@@ -95,45 +111,76 @@ class Trainer:
         self.serving_dtype = rollout.dtype
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.lora = train.lora.enabled
+        if self.lora:
+            from peft import LoraConfig, get_peft_model
+
+            lc = train.lora
+            self.model = get_peft_model(self.model, LoraConfig(
+                r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=list(lc.target_modules),
+                bias="none", task_type="CAUSAL_LM"))
         self.model.train()
         self.ref_model = None
         if algorithm.kl_coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
             self.ref_model.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=train.lr, weight_decay=train.weight_decay, betas=tuple(train.betas)
+            [p for p in self.model.parameters() if p.requires_grad], lr=train.lr, weight_decay=train.weight_decay, betas=tuple(train.betas)
         )
         self.loss_cfg = LossConfig(
             clip_low=algorithm.clip_low, clip_high=algorithm.clip_high,
             aggregation=algorithm.aggregation, max_tokens=rollout.max_new_tokens,
+            behaviour_weight_cap=algorithm.behaviour_weight_cap,
         )
+        self.objective = ObjectiveConfig(
+            loss=algorithm.loss, loss_cfg=self.loss_cfg, proximal=algorithm.proximal,
+            corrections=[(c.name, CorrectionConfig(level=c.level, cap=c.cap, low=c.low, high=c.high, delta=c.delta,
+                                                   max_staleness=c.max_staleness)) for c in algorithm.corrections],
+            max_token_staleness=algorithm.max_token_staleness, spread_action=algorithm.spread_action,
+            spread_level=algorithm.spread_level, spread_is_cap=algorithm.spread_is_cap,
+        )
+        self.max_new_tokens = rollout.max_new_tokens
+        if algorithm.overlong_buffer > rollout.max_new_tokens:
+            raise ValueError(f"algorithm.overlong_buffer ({algorithm.overlong_buffer}) must not exceed "
+                             f"rollout.max_new_tokens ({rollout.max_new_tokens})")
         self.version = 0
         self.busy_s = 0.0
 
     # ---- one optimizer step ------------------------------------------------------------------
 
-    def advantages(self, batch: Batch) -> torch.Tensor:
-        """Per-sample advantages, estimated within each group (groups may differ in size)."""
-        estimator = ADVANTAGES[self.algorithm.advantage]
-        parts = [estimator(torch.tensor([g.rewards], dtype=torch.float32))[0] for g in batch.groups]
-        return torch.cat(parts)
+    def advantages(self, batch: Batch, rewards: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-sample advantages of `rewards` (default: the samples' rewards), per group (groups may
+        differ in size) or over the whole batch, as the estimator's scope says."""
+        if rewards is None:
+            rewards = torch.tensor([s.reward for s in batch.samples], dtype=torch.float32)
+        return batch_advantages(self.algorithm.advantage, rewards, [len(g.samples) for g in batch.groups])
+
+    def shaped_rewards(self, samples: list[Sample], sampled_lens: torch.Tensor) -> torch.Tensor:
+        """Rewards plus DAPO's overlong penalty on the sampled length (when algorithm.overlong_buffer > 0)."""
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        if self.algorithm.overlong_buffer:
+            rewards = rewards + overlong_penalty(sampled_lens, self.max_new_tokens, self.algorithm.overlong_buffer,
+                                                 self.algorithm.overlong_penalty)
+        return rewards
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         t0 = time.perf_counter()
         samples = batch.samples
-        adv = self.advantages(batch)
         tensors = pad_samples(samples, self.tokenizer.pad_token_id)
-        mask = tensors["mask"]
+        shaped = self.shaped_rewards(samples, tensors["sampled_lens"])
+        adv = self.advantages(batch, shaped)
         logp = completion_logprobs(self.model, tensors, self.temperature)
-        loss_fn = POLICY_LOSSES[self.algorithm.loss]
-        loss, metrics = loss_fn(logp, tensors["old_logp"], adv, mask, self.loss_cfg)
+        # per-token staleness is measured against the policy being trained (= batch.version in run.py)
+        ctx = LossContext(behaviour_logp=tensors["old_logp"], versions=tensors["versions"],
+                          trainer_version=self.version, truncated=tensors["truncated"])
+        loss, out, mask = policy_objective(logp, adv, tensors["mask"], ctx, self.objective)
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logp = completion_logprobs(self.ref_model, tensors, self.temperature)
             kl = aggregate(kl_penalty(logp, ref_logp, self.algorithm.kl_estimator), mask, self.algorithm.aggregation,
                            self.loss_cfg.max_tokens)
             loss = loss + self.algorithm.kl_coef * kl
-            metrics["kl_ref"] = float(kl.detach())
+            out["train/kl_ref"] = float(kl.detach())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
@@ -141,25 +188,24 @@ class Trainer:
         self.version += 1
 
         with torch.no_grad():
-            diff = (logp.detach() - tensors["old_logp"]).abs() * mask
-            n_tok = mask.sum().clamp(min=1)
+            sampled = tensors["mask"]
+            diff = (logp.detach() - tensors["old_logp"]).abs() * sampled
         staleness = batch.staleness()
         rewards = [s.reward for s in samples]
-        out = {f"train/{k}": float(v) for k, v in metrics.items()}
         out.update({
             "train/loss": float(loss.detach()),
             "train/grad_norm": float(grad_norm),
-            "train/logprob_abs_diff": float(diff.sum() / n_tok),
-            "train/tokens": float(n_tok),
+            "train/logprob_abs_diff": float(diff.sum() / sampled.sum().clamp(min=1)),
+            "train/tokens": float(mask.sum()),
             "train/samples": float(len(samples)),
             "train/version": float(self.version),
             "rollout/reward_mean": sum(rewards) / len(rewards),
             "rollout/completion_len": sum(len(s.completion_ids) for s in samples) / len(samples),
             "staleness/mean": sum(staleness) / len(staleness),
             "staleness/max": float(max(staleness)),
-            "staleness/version_spread": float(max(s.newest_version for s in samples)
-                                             - min(s.oldest_version for s in samples)),
         })
+        if self.algorithm.overlong_buffer:
+            out["rollout/overlong_penalty_mean"] = float((shaped - torch.tensor(rewards)).mean())
         if not math.isfinite(out["train/loss"]):
             raise FloatingPointError(f"non-finite loss at step {self.version}: {out}")
         self.busy_s += time.perf_counter() - t0
@@ -174,14 +220,31 @@ class Trainer:
 
     # ---- weights out -------------------------------------------------------------------------
 
+    def _full_model(self):
+        """The policy as a plain HF model: with LoRA, a merged copy (the trained model is untouched)."""
+        if not self.lora:
+            return self.model
+        import copy
+
+        return copy.deepcopy(self.model).merge_and_unload()
+
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Parameters under their Hugging Face names (what vLLM's loaders expect)."""
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        return {k: v.detach() for k, v in self._full_model().state_dict().items()}
 
     def save_hf(self, out_dir: str | Path) -> Path:
+        """A servable HF model dir (LoRA merged in)."""
+        out = Path(out_dir)
+        self._full_model().save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
+        return out
+
+    def save_adapter(self, out_dir: str | Path) -> Path:
+        """The LoRA adapter alone (PEFT format: adapter_config.json + weights), what engines load in place."""
+        if not self.lora:
+            raise ValueError("save_adapter: train.lora.enabled is false; there is no adapter")
         out = Path(out_dir)
         self.model.save_pretrained(out)
-        self.tokenizer.save_pretrained(out)
         return out
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -192,6 +255,8 @@ class Trainer:
         tmp = out.with_name(out.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
         self.save_hf(tmp)
+        if self.lora:
+            self.save_adapter(tmp / "adapter")
         torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps({"version": self.version, **extra}))
         if out.exists():
@@ -205,7 +270,12 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         ckpt = Path(ckpt_dir)
-        self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict())
+        if self.lora:  # the base stays frozen; only the adapter was trained
+            from peft import load_peft_weights, set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.model, load_peft_weights(str(ckpt / "adapter")))
+        else:
+            self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict())
         state = torch.load(ckpt / "trainer.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = state["version"]

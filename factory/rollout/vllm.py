@@ -177,14 +177,16 @@ class VLLMEngine:
     def __init__(self, model: str, *, dtype: str = "bfloat16", max_model_len: int = 256,
                  kv_cache_gb: int = 2, threads: int = 1, log_path: Path | None = None,
                  startup_timeout_s: float = 300.0, server: VLLMServer | None = None,
-                 coalesce_ms: float = 5.0, max_batch: int = 256, partial_rollout: str = "wait"):
+                 coalesce_ms: float = 5.0, max_batch: int = 256, partial_rollout: str = "wait", lora_rank: int = 0):
         if partial_rollout not in ("wait", "abort_resume", "inflight"):
             raise ValueError(f"rollout.partial_rollout: unknown mode {partial_rollout!r}; "
                              "choose wait, abort_resume or inflight")
         self.partial = partial_rollout
+        lora_args = ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"] if lora_rank else []
         self.server = server or VLLMServer(model, dtype=dtype, max_model_len=max_model_len,
-                                           kv_cache_gb=kv_cache_gb, threads=threads, log_path=log_path)
-        self.model = model
+                                           kv_cache_gb=kv_cache_gb, threads=threads, log_path=log_path,
+                                           extra_args=lora_args)
+        self.model = model  # the name requests are sent to: the base, or the LoRA adapter once loaded
         self.startup_timeout_s = startup_timeout_s
         self.version = 0
         self.gate = AdmissionGate()
@@ -344,7 +346,8 @@ class VLLMEngine:
         self._engine_ids[request_id] = request_id
         try:
             resp = await self.client.post("/inference/v1/generate", json={
-                "request_id": request_id, "token_ids": list(prompt_ids), "sampling_params": params})
+                "request_id": request_id, "token_ids": list(prompt_ids), "sampling_params": params,
+                "model": self.model})
             resp.raise_for_status()
         finally:
             self._engine_ids.pop(request_id, None)
@@ -412,6 +415,17 @@ class VLLMEngine:
 
     async def load_from_disk(self, path: str) -> None:
         await self._rpc("reload_weights", weights_path=path)
+
+    async def load_lora(self, path: str, name: str = "policy-lora") -> None:
+        """Load (or replace in place) the trained LoRA adapter; requests then go to it by name.
+
+        Needs a server started with LoRA enabled (`lora_rank` > 0). Until the first load the base
+        model answers, which equals base + a fresh adapter (LoRA's B matrix starts at zero)."""
+        resp = await self.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path,
+                                                                     "load_inplace": True})
+        if resp.status_code != 200:
+            raise RuntimeError(f"vLLM refused the LoRA adapter at {path}: {resp.text[:300]}")
+        self.model = name
 
     async def weight_checksum(self, name: str) -> float:
         return float((await self._rpc("weight_checksum", name))[0])

@@ -23,7 +23,7 @@ def support_k(rollout) -> int:
     return rollout.top_k + 2 if rollout.top_k > 0 else rollout.support_cap
 
 
-def make_engine(kind: str, model_path: str, rollout, log_path: str | None):
+def make_engine(kind: str, model_path: str, rollout, log_path: str | None, lora_rank: int = 0):
     if kind == "vllm":
         from pathlib import Path
 
@@ -32,10 +32,13 @@ def make_engine(kind: str, model_path: str, rollout, log_path: str | None):
         return VLLMEngine(model_path, dtype=rollout.dtype, max_model_len=rollout.max_model_len,
                           kv_cache_gb=rollout.kv_cache_gb, threads=rollout.cpus,
                           log_path=Path(log_path) if log_path else None, startup_timeout_s=rollout.startup_timeout_s,
-                          coalesce_ms=rollout.coalesce_ms, partial_rollout=rollout.partial_rollout)
+                          coalesce_ms=rollout.coalesce_ms, partial_rollout=rollout.partial_rollout,
+                          lora_rank=lora_rank)
     if kind == "hf":
         from factory.rollout.hf import HFEngine
 
+        if lora_rank:
+            raise ValueError("train.lora with rollout.engine=hf is not supported; use the vllm engine")
         if rollout.partial_rollout != "wait":
             raise ValueError(f"rollout.partial_rollout={rollout.partial_rollout} needs rollout.engine=vllm; "
                              "the hf engine only drains (wait)")
@@ -49,8 +52,8 @@ def make_engine(kind: str, model_path: str, rollout, log_path: str | None):
 
 @ray.remote(num_cpus=0)
 class EngineActor:
-    def __init__(self, kind: str, model_path: str, rollout, log_path: str | None = None):
-        self.engine = make_engine(kind, model_path, rollout, log_path)
+    def __init__(self, kind: str, model_path: str, rollout, log_path: str | None = None, lora_rank: int = 0):
+        self.engine = make_engine(kind, model_path, rollout, log_path, lora_rank)
 
     async def start(self) -> None:
         await self.engine.start()
@@ -79,6 +82,9 @@ class EngineActor:
 
     async def load_from_disk(self, path: str) -> None:
         await self.engine.load_from_disk(path)
+
+    async def load_lora(self, path: str) -> None:
+        await self.engine.load_lora(path)
 
     async def end_update(self, version: int) -> None:
         await self.engine.end_update(version)
@@ -259,6 +265,9 @@ class TrainerActor:
 
     def save_hf(self, path: str) -> str:
         return str(self.trainer.save_hf(path))
+
+    def save_adapter(self, path: str) -> str:
+        return str(self.trainer.save_adapter(path))
 
     def save_checkpoint(self, path: str, extra: dict) -> str:
         return str(self.trainer.save_checkpoint(path, extra))
