@@ -44,4 +44,7 @@ defs = dg.Definitions(
              build_recovery_sensor(rl_run_job)],
     schedules=[build_evaluation_schedule(evaluation_job)],
     resources=resources_for(),
+    # each job's steps run in its run worker's process: one process per run (no step subprocesses
+    # to orphan when a worker dies), and the run worker is the RL run's process (assets.launcher)
+    executor=dg.in_process_executor,
 )

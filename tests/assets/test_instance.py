@@ -15,6 +15,9 @@ def test_embedded_instance_from_dagster_yaml(state, monkeypatch):
         assert instance.run_retries_enabled and instance.run_retries_max_retries == 2
         assert not instance.run_retries_retry_on_asset_or_op_failure
         assert instance.run_monitoring_enabled
+        # a worker killed with -9 is found by monitoring (the default launcher cannot see it)
+        assert type(instance.run_launcher).__name__ == "LocalProcessRunLauncher"
+        assert instance.run_launcher.supports_check_run_worker_health
         concurrency = instance.get_concurrency_config()
         assert concurrency.run_queue_config.max_concurrent_runs == 2
         limits = {(t["key"], t["value"]): t["limit"] for t in concurrency.run_queue_config.tag_concurrency_limits}
