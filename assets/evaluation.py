@@ -31,7 +31,9 @@ def evaluate_checkpoint(recipe, checkpoint: Path, suite: str, n: int | None) -> 
           kinds={"ray"}, pool="evaluation", op_tags={KIND_TAG: "evaluation"})
 def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake: LakeResource,
                tracking: TrackingResource, ray: RayResource) -> dg.MaterializeResult:
-    """Held-out accuracy of one checkpoint of the run (its latest unless configured)."""
+    """Held-out accuracy of one checkpoint of the run (its latest unless configured). A checkpoint
+    already evaluated on the suite with the same n (e.g. by the run itself after training) is read
+    back from the lake instead of evaluated again."""
     key = context.partition_key
     directory = run_dir(key)
     recipe = tracking.configure(lake.configure(saved_recipe(directory)))
@@ -44,18 +46,29 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake
     state = json.loads(state_file.read_text())
     step, version = int(state.get("step", state["version"])), int(state["version"])
 
-    with ray.session():
-        result = evaluate_checkpoint(recipe, checkpoint, config.suite, config.n or None)
+    from factory.lake.query import find_evaluation
+
+    n = config.n or recipe.eval.heldout
+    earlier = find_evaluation(key, step, config.suite, lake.catalog(recipe), lake.namespace_for(recipe)) \
+        if recipe.lake.enabled else None
+    reused = earlier is not None and earlier["n"] == n  # e.g. the run's own after-training evaluation
+    if reused:
+        context.log.info(f"{key} step {step}: already evaluated on {n} {config.suite} tasks; read from the lake")
+        result = {"mean": earlier["mean"], "stderr": earlier["stderr"], "n": earlier["n"],
+                  "by_family": json.loads(earlier["by_family"] or "{}")}
+    else:
+        with ray.session():
+            result = evaluate_checkpoint(recipe, checkpoint, config.suite, n)
     context.log.info(f"{key} step {step}: {config.suite} accuracy {result['mean']:.3f} ± {result['stderr']:.3f}")
 
-    if recipe.lake.enabled:
+    if recipe.lake.enabled and not reused:  # (a row of this step and suite with another n stays: one per key)
         with lake.writer(recipe, run_id=key) as writer:
             writer.append("evaluations", [{
                 "run_id": key, "step": step, "version": version, "suite": config.suite, "n": result["n"],
                 "mean": result["mean"], "stderr": result["stderr"], "by_family": json.dumps(result["by_family"]),
             }])
     mlflow_run = tracking.find_run(recipe, key)
-    if mlflow_run:
+    if mlflow_run and not reused:
         tracker = tracking.tracker(recipe)
         tracker.run_id = mlflow_run  # log beside the run's own metrics, without reopening it
         tracker.log_metrics(step, {f"eval/{config.suite}_mean": result["mean"],
@@ -64,5 +77,6 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake
         "accuracy": result["mean"], "stderr": result["stderr"], "n": result["n"], "suite": config.suite,
         "step": step, "checkpoint": dg.MetadataValue.path(str(checkpoint)),
         "by_family": dg.MetadataValue.json(result["by_family"]),
+        "source": "the lake (evaluated earlier)" if reused else "evaluated now",
         **({"mlflow_run_id": mlflow_run} if mlflow_run else {}),
     })

@@ -57,6 +57,20 @@ def sql(query: str, catalog: Catalog | None = None, namespace: str = NAMESPACE,
         con.close()
 
 
+def find_evaluation(run_id: str, step: int, suite: str, catalog: Catalog | None = None,
+                    namespace: str = NAMESPACE) -> dict[str, Any] | None:
+    """The `evaluations` row of (run, step, suite), if that checkpoint was already evaluated."""
+    from pyiceberg.expressions import And, EqualTo
+
+    catalog = catalog if catalog is not None else open_catalog(namespace=namespace)
+    table = catalog.load_table((namespace, "evaluations"))
+    if table.current_snapshot() is None:
+        return None
+    found = table.scan(row_filter=And(EqualTo("run_id", run_id), EqualTo("step", step), EqualTo("suite", suite)),
+                       limit=1).to_arrow().to_pylist()
+    return found[0] if found else None
+
+
 def first_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
