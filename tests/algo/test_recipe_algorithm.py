@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from factory.algo import CORRECTIONS
@@ -78,8 +80,6 @@ def test_bad_algorithm_sections_give_one_line_each(algorithm, expected):
     assert caught.value.problems == [f"r.yaml: {line}" for line in expected]
 
 
-def test_offpolicy_recipe_loads(tmp_path):
-    from pathlib import Path
-
+def test_offpolicy_recipe_loads():
     recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "offpolicy.yaml")
     assert recipe.algorithm.corrections and recipe.algorithm.spread_action != "none"
