@@ -157,7 +157,8 @@ def test_masked_tokens_have_no_influence(name, mode):
     old_logp = torch.tensor([[-1.2, -0.4, -0.9], [-1.8, -0.6, -0.1]])
     behaviour = torch.tensor([[-1.3, -0.5, -0.9], [-1.7, -0.6, -0.1]])
     advantages = torch.tensor([[1.0, 1.0, 3.0], [-0.5, 2.0, 2.0]])
-    junk_logp, junk_old, junk_behaviour, junk_adv = base_logp.clone(), old_logp.clone(), behaviour.clone(), advantages.clone()
+    junk_logp, junk_old = base_logp.clone(), old_logp.clone()
+    junk_behaviour, junk_adv = behaviour.clone(), advantages.clone()
     junk_logp[0, 2], junk_logp[1, 1] = float("-inf"), 50.0
     junk_old[1, 2] = float("-inf")
     junk_behaviour[1, 1] = float("nan")
