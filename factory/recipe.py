@@ -52,7 +52,8 @@ class ModelSection(Section):
 
 
 class TaskFamily(Section):
-    name: str = Field(description="a reasoning-gym dataset name, e.g. basic_arithmetic")
+    name: str = Field(description="a reasoning-gym dataset name, e.g. basic_arithmetic, or code_tasks "
+                      "(programming problems with unit tests, factory/data/code_tasks.py)")
     weight: float = Field(1.0, gt=0)
     config: dict[str, Any] = Field(default_factory=dict, description="the dataset's own options")
 
@@ -83,11 +84,25 @@ class LatencySection(Section):
     slow_fraction: float = Field(0.0, ge=0, le=1)
 
 
+class SandboxSection(Section):
+    """Where environments run untrusted code (tool calls, unit tests of code tasks): factory/sandbox."""
+
+    backend: Literal["auto", "bubblewrap", "docker"] = Field(
+        "auto", description="auto: Docker if an engine answers, else bubblewrap")
+    image: str = Field("python", description="a sandboxes/<name>/spec.yaml image")
+    concurrency: int = Field(8, gt=0, description="programs running at once per env worker")
+    wall_s: float = Field(10.0, gt=0, description="wall-time limit per program")
+    memory_mb: int = Field(256, gt=0)
+
+
 class EnvironmentSection(Section):
     name: str = Field("single_turn", description="a registered environment")
     system_prompt: str | None = None
     workers: int = Field(1, gt=0, description="env worker actors, each hosting a gateway")
     latency: LatencySection = Field(default_factory=LatencySection)
+    max_turns: int = Field(3, gt=0, description="tool_agent: model calls per episode; a tool call on the "
+                           "last one ends the episode unanswered")
+    sandbox: SandboxSection = Field(default_factory=SandboxSection)
 
 
 class RolloutSection(Section):
@@ -160,6 +175,14 @@ class OffPolicyCorrection(Section):
         return self
 
 
+class DistillSection(Section):
+    """On-policy distillation: a teacher scores the student's samples token by token (factory/scoring.py)."""
+
+    teacher: str | None = Field(None, description="HF model dir of the teacher (same tokenizer); unset: off")
+    coef: float = Field(1.0, ge=0, description="weight of the per-token teacher-minus-student logprob advantage")
+    scorer: str = Field("teacher_logprobs", description="a registered scorer")
+
+
 class AlgorithmSection(Section):
     advantage: str = Field("grpo", description="a registered advantage estimator")
     loss: str = Field("ppo_clip", description="a registered policy loss")
@@ -169,6 +192,7 @@ class AlgorithmSection(Section):
     kl_coef: float = Field(0.0, ge=0, description="KL to a frozen reference; 0 disables it")
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     filter_zero_variance: bool = True
+    distill: DistillSection = Field(default_factory=DistillSection)
     proximal: Literal["behaviour", "current", "loglinear"] = Field(
         "behaviour", validate_default=True,
         description="the policy the loss's ratio is centred on: behaviour = the sampler's logprobs (plain PPO); "

@@ -25,7 +25,7 @@ from factory.evaluate import evaluate_workers
 from factory.model.sft import ensure_base_policy
 from factory.recipe import Recipe
 from factory.recording import RunRecorder
-from factory.runtime.actors import BufferActor, EngineActor, EnvWorkerActor, TrainerActor
+from factory.runtime.actors import BufferActor, EngineActor, EnvWorkerActor, ScorerActor, TrainerActor
 from factory.runtime.cluster import local_ray
 from factory.types import Batch
 
@@ -116,6 +116,8 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
                                           str(run_dir / f"engine-{i}.log"), lora_rank)
                        for i in range(recipe.rollout.num_engines)]
         trainer = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
+        # the scoring phase: a teacher grading every trained token (on-policy distillation), if any
+        scorer = ScorerActor.remote(recipe.algorithm.distill, recipe.rollout) if recipe.algorithm.distill.teacher else None
         buffer = BufferActor.remote(recipe.name, source.train, recipe.train.groups_per_step,
                                     recipe.async_.max_staleness, recipe.async_.max_inflight_groups,
                                     recipe.algorithm.filter_zero_variance, recipe.train.seed)
@@ -151,7 +153,13 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
             t0 = time.perf_counter()
             batch = ray.get(buffer.get_batch.remote())
             wait_s += time.perf_counter() - t0
+            scored = {}
+            if scorer is not None:
+                t_score = time.perf_counter()
+                batch, scored = ray.get(scorer.score.remote(batch))
+                scored["perf/score_s"] = time.perf_counter() - t_score
             metrics = ray.get(trainer.train_step.remote(batch))
+            metrics.update(scored)
             sync = publish_weights(engines, trainer, step, recipe.rollout.weight_sync, run_dir / "weights")
             sync_s += sync["weightsync/seconds"]
             ray.get(buffer.set_version.remote(step))

@@ -26,6 +26,7 @@ from factory.algo import (
     overlong_penalty,
     policy_objective,
 )
+from factory.scoring import distillation_advantages
 from factory.types import NOT_SAMPLED, Batch, Sample
 
 
@@ -169,6 +170,9 @@ class Trainer:
         tensors = pad_samples(samples, self.tokenizer.pad_token_id)
         shaped = self.shaped_rewards(samples, tensors["sampled_lens"])
         adv = self.advantages(batch, shaped)
+        if any(s.teacher_logprobs for s in samples):  # graded by a teacher (scoring phase): distillation
+            adv = distillation_advantages(adv, samples, tensors["old_logp"], tensors["mask"],
+                                          self.algorithm.distill.coef)
         logp = completion_logprobs(self.model, tensors, self.temperature)
         # per-token staleness is measured against the policy being trained (= batch.version in run.py)
         ctx = LossContext(behaviour_logp=tensors["old_logp"], versions=tensors["versions"],

@@ -49,6 +49,7 @@ class Sample:
     timings: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     support: list[list[int]] = field(default_factory=list)
+    teacher_logprobs: list[float] = field(default_factory=list)  # set by a scorer (factory/scoring.py)
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

@@ -283,3 +283,18 @@ class TrainerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+@ray.remote(num_cpus=0)
+class ScorerActor:
+    """The scoring phase's model (e.g. a distillation teacher) in its own process."""
+
+    def __init__(self, distill, rollout):
+        from factory.scoring import make_scorer
+
+        self.scorer = make_scorer(distill, rollout)
+
+    def score(self, batch: Batch):
+        from factory.scoring import score_batch
+
+        return score_batch(self.scorer, batch)
