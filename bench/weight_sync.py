@@ -7,8 +7,8 @@ Rows, all in one run against one vLLM server and one trainer:
   engine, gloo broadcast into the vLLM worker and re-pack its weights, reset the prefix cache,
   reopen — under each partial-rollout mode.
 - `disk`: the fallback: save an HF checkpoint, `reload_weights` from it.
-- `lora`: adapter-only sync, when the recipe trains a LoRA adapter (see the README: not built yet,
-  so the row is absent rather than faked).
+- `lora`: adapter-only sync of a rank-8 LoRA trainer into a second server started with LoRA
+  enabled (save the adapter, `/v1/load_lora_adapter` in place).
 
 While each row runs, a load of concurrent requests keeps generating; a sync happens every
 `--interval` seconds. Reported per row: seconds per sync (mean, p50, max), the share of the row's
@@ -186,6 +186,23 @@ def main() -> int:
             rows.append(timed_rows("disk", full("disk"), args.syncs, args.interval, load))
         ray.get(engine.stop.remote())
 
+        lora = load_recipe(REPO / "recipes" / "default.yaml",
+                           ["name=bench-weight-sync", "train.lora.enabled=true", "rollout.weight_sync=lora"])
+        lora_trainer = TrainerActor.remote(str(policy), lora.algorithm, lora.train, lora.rollout)
+        lora_engine = EngineActor.remote("vllm", str(policy), lora.rollout, str(Path(tmp) / "vllm-lora.log"),
+                                         lora.train.lora.rank)
+        ray.get(lora_engine.start.remote())
+
+        def adapter():
+            version[0] += 1
+            publish_weights([lora_engine], lora_trainer, version[0], "lora", Path(tmp) / "lora")
+
+        with Load(lora_engine, prompt, args.concurrency, args.max_new_tokens) as load:
+            time.sleep(3.0)
+            rows.append(timed_rows(f"lora/r{lora.train.lora.rank}", adapter, args.syncs, args.interval, load))
+        rows[-1]["bytes"] = sum(f.stat().st_size for f in (Path(tmp) / "lora" / "adapter").iterdir())
+        ray.get(lora_engine.stop.remote())
+
     raw_s = rows[0]["sync_s_mean"]
     print(f"\n{'method':>24} {'ms/sync':>8} {'x raw':>6} {'paused':>7} {'tok/s':>7}")
     for r in rows:
@@ -195,7 +212,7 @@ def main() -> int:
         print(f"{r['method']:>24} {r['sync_s_mean'] * 1000:>8.1f} {r['vs_raw_gloo']:>5.1f}x {paused:>7} "
               f"{'' if tps is None else f'{tps:.0f}':>7}")
     out = {"rows": rows, "generation_tokens_per_s_without_sync": baseline, "plan_bytes": total_bytes,
-           "settings": vars(args), "lora": "not built yet: no LoRA row",
+           "settings": vars(args),
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
