@@ -7,9 +7,11 @@ PY := $(STATE)/venv/bin/python
 setup:
 	bash infra/setup.sh
 
-# Build + warm-start the tiny policy, then RL it with vLLM on this CPU (recipes/default.yaml).
+# The default recipe's asset graph through Dagster, in this process, on the embedded instance:
+# tasks -> base policy (tiny Llama + SFT warm start) -> RL run on vLLM -> evaluation; then it prints
+# how to open the Dagster and MLflow UIs and a SQL query. (`factory run RECIPE`: the same run without Dagster.)
 main: setup
-	$(STATE)/venv/bin/factory run recipes/default.yaml
+	$(PY) -m assets materialize recipes/default.yaml
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -1,4 +1,6 @@
 """`python -m assets [dagster dev options]`: the Dagster UI and daemon on the embedded instance.
+`python -m assets materialize [RECIPE] [OVERRIDES…]`: one recipe through the asset graph, in this
+process (`make main`; see `assets.main`).
 
 Sets DAGSTER_HOME to `<state>/dagster` (unless already set), links the repo's dagster.yaml into
 it, and replaces this process with `dagster dev -m assets.definitions` run from the repo root.
@@ -41,4 +43,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["materialize"]:
+        from assets.main import main as materialize_main
+
+        sys.exit(materialize_main(sys.argv[2:]))
     main(sys.argv[1:])

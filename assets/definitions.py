@@ -3,7 +3,8 @@
     task_dataset ─▶ base_policy ─▶ rl_run[rl_runs] ─▶ evaluation[rl_runs]      sandbox_image[name]
                                    + samples checks                             + sandbox_health
 
-Jobs: sweep_job (recipe × grid → rl_runs partitions), rl_run_job, evaluation_job. Sensors:
+Jobs: main_job (one recipe through the whole graph: `python -m assets materialize`), sweep_job
+(recipe × grid → rl_runs partitions), rl_run_job, evaluation_job. Sensors:
 rl_run_launcher (starts what a sweep planned), checkpoint_evaluation_sensor, rl_run_recovery
 (failed run → relaunch from the last checkpoint). Schedule: evaluation_schedule (hourly).
 Resources by deployment ($FACTORY_DEPLOYMENT: local | production), see `assets.resources`.
@@ -31,6 +32,12 @@ rl_run_job = dg.define_asset_job(
     tags={KIND_TAG: "rl_run", "dagster/max_retries": "0"},
     description="Train one rl_runs partition, then check its samples in the lake.",
 )
+main_job = dg.define_asset_job(
+    "main_job", selection=dg.AssetSelection.assets(task_dataset, base_policy, RL_RUN_KEY, EVALUATION_KEY),
+    tags={KIND_TAG: "rl_run", "dagster/max_retries": "0"},
+    description="One recipe end to end (the README's main command, `python -m assets materialize`): "
+                "tasks → base policy → RL run (one rl_runs partition) → evaluation.",
+)
 evaluation_job = dg.define_asset_job(
     "evaluation_job", selection=dg.AssetSelection.assets(EVALUATION_KEY), partitions_def=RL_RUNS,
     tags={KIND_TAG: "evaluation"}, description="Evaluate a checkpoint of one rl_runs partition.",
@@ -39,7 +46,7 @@ evaluation_job = dg.define_asset_job(
 defs = dg.Definitions(
     assets=[task_dataset, base_policy, rl_run, evaluation, sandbox_image],
     asset_checks=[*samples_checks(), sandbox_health],
-    jobs=[sweep_job, rl_run_job, evaluation_job],
+    jobs=[main_job, sweep_job, rl_run_job, evaluation_job],
     sensors=[build_launch_sensor(rl_run_job), build_checkpoint_sensor(evaluation_job),
              build_recovery_sensor(rl_run_job)],
     schedules=[build_evaluation_schedule(evaluation_job)],

@@ -5,25 +5,28 @@ import json
 import dagster as dg
 
 from assets.data import task_dataset
-from assets.runs import RecipeConfig, user_error
+from assets.resources import ProgressResource
+from assets.runs import RecipeConfig, calls, user_error
 
 
 @dg.asset(group_name="policy", deps=[task_dataset], kinds={"pytorch"}, pool="trainer")
-def base_policy(context: dg.AssetExecutionContext, config: RecipeConfig) -> dg.MaterializeResult:
+def base_policy(context: dg.AssetExecutionContext, config: RecipeConfig,
+                progress: ProgressResource) -> dg.MaterializeResult:
     """The policy RL starts from: built once per model+data fingerprint under `<state>/models/`."""
     from factory.model.sft import ensure_base_policy, policy_fingerprint
 
     recipe = config.load()
     every = max(1, recipe.model.sft_steps // 10)
 
-    def progress(step: int, total: int, loss: float) -> None:
+    def log_sft_step(step: int, total: int, loss: float) -> None:
         if step % every == 0 or step == total:
             context.log.info(f"SFT step {step}/{total} loss {loss:.4f}")
 
-    try:
-        path = ensure_base_policy(recipe, progress=progress)
-    except FileNotFoundError as err:  # model.path without a model in it
-        raise user_error(str(err)) from None
+    with progress.bars(recipe.train.steps) as bars:
+        try:
+            path = ensure_base_policy(recipe, progress=calls(log_sft_step, bars and bars.on_sft_step))
+        except FileNotFoundError as err:  # model.path without a model in it
+            raise user_error(str(err)) from None
     metadata: dict = {"path": dg.MetadataValue.path(str(path)), "recipe": recipe.name}
     sft = path / "sft.json"
     if sft.is_file():

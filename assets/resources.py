@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import dagster as dg
 from pydantic import Field
 
 from factory.recipe import Recipe
+
+if TYPE_CHECKING:
+    from factory.progress import RunProgress
 
 DEPLOYMENT_ENV = "FACTORY_DEPLOYMENT"
 
@@ -108,8 +111,27 @@ class RayResource(dg.ConfigurableResource):
                 os.environ["RAY_ADDRESS"] = before
 
 
+class ProgressResource(dg.ConfigurableResource):
+    """How runs report progress: always to the Dagster event log; with `live`, also as rich bars on
+    the terminal of the process executing them (`python -m assets materialize` sets it)."""
+
+    live: bool = Field(False, description="draw live progress bars on this process's terminal")
+
+    @contextlib.contextmanager
+    def bars(self, total_steps: int) -> Iterator["RunProgress | None"]:
+        """A `factory.progress.RunProgress` for a run of `total_steps` steps, or None unless live."""
+        if not self.live:
+            yield None
+            return
+        from factory.progress import RunProgress
+
+        with RunProgress(total_steps) as progress:
+            yield progress
+
+
 def local_resources() -> dict[str, dg.ConfigurableResource]:
-    return {"lake": LakeResource(), "tracking": TrackingResource(), "ray": RayResource()}
+    return {"lake": LakeResource(), "tracking": TrackingResource(), "ray": RayResource(),
+            "progress": ProgressResource()}
 
 
 def production_resources() -> dict[str, dg.ConfigurableResource]:
@@ -118,6 +140,7 @@ def production_resources() -> dict[str, dg.ConfigurableResource]:
                              warehouse=dg.EnvVar("FACTORY_LAKE_WAREHOUSE")),
         "tracking": TrackingResource(uri=dg.EnvVar("MLFLOW_TRACKING_URI")),
         "ray": RayResource(address=dg.EnvVar("RAY_ADDRESS")),
+        "progress": ProgressResource(),
     }
 
 

@@ -44,10 +44,25 @@ def user_error(message: str) -> dg.Failure:
     return dg.Failure(description=message, metadata={RETRYABLE: False}, allow_retries=False)
 
 
+def calls(*callbacks):
+    """One callback that calls each of `callbacks` that is not None (e.g. the Dagster log and live bars)."""
+    present = [c for c in callbacks if c is not None]
+
+    def call(*args) -> None:
+        for callback in present:
+            callback(*args)
+
+    return call
+
+
+def safe_name(recipe: Recipe) -> str:
+    """The recipe's name with only characters a directory, a partition key and SQL quotes take."""
+    return _UNSAFE.sub("_", recipe.name).strip("_")[:96] or "run"
+
+
 def partition_key(recipe: Recipe) -> str:
     """`<recipe name>-<8 hex of its fingerprint>`: equal recipes share a key, any change makes a new one."""
-    name = _UNSAFE.sub("_", recipe.name).strip("_")[:96] or "run"
-    return f"{name}-{recipe.fingerprint()[:8]}"
+    return f"{safe_name(recipe)}-{recipe.fingerprint()[:8]}"
 
 
 def run_dir(key: str) -> Path:

@@ -16,9 +16,9 @@ import dagster as dg
 from pydantic import Field
 
 from assets.policy import base_policy
-from assets.resources import LakeResource, RayResource, TrackingResource
+from assets.resources import LakeResource, ProgressResource, RayResource, TrackingResource
 from assets.runs import (
-    KIND_TAG, RL_RUN_KEY, RL_RUNS, checkpoint_step, is_finished, latest_checkpoint, load_recipe_or_fail,
+    KIND_TAG, RL_RUN_KEY, RL_RUNS, calls, checkpoint_step, is_finished, latest_checkpoint, load_recipe_or_fail,
     run_dir, saved_recipe, user_error,
 )
 
@@ -57,7 +57,7 @@ def _accuracy(results: dict, key: str) -> dict:
 @dg.asset(key=RL_RUN_KEY, partitions_def=RL_RUNS, group_name="training", deps=[base_policy],
           kinds={"ray", "pytorch"}, pool="trainer", op_tags={KIND_TAG: "rl_run"})
 def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeResource,
-           tracking: TrackingResource, ray: RayResource) -> dg.MaterializeResult:
+           tracking: TrackingResource, ray: RayResource, progress: ProgressResource) -> dg.MaterializeResult:
     """One RL run (`factory.run.run`): trains the recipe, evaluates before/after, records to lake and MLflow."""
     from factory.run import run
 
@@ -75,7 +75,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
     recipe = tracking.configure(lake.configure(recipe))
     every = max(1, recipe.train.steps // 20)
 
-    def on_step(report) -> None:
+    def log_step(report) -> None:
         if report.step % every == 0 or report.step == recipe.train.steps:
             m = report.metrics
             context.log.info(f"step {report.step}/{recipe.train.steps} "
@@ -85,15 +85,17 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
 
     sft_every = max(1, recipe.model.sft_steps // 10)
 
-    def on_sft_step(step: int, total: int, loss: float) -> None:
+    def log_sft_step(step: int, total: int, loss: float) -> None:
         if step % sft_every == 0 or step == total:
             context.log.info(f"SFT warm start step {step}/{total} loss {loss:.4f}")
 
     if resume is not None:
         context.log.info(f"resuming {key} from {resume} (step {checkpoint_step(resume)})")
-    with exclusive(directory), ray.session():
-        results = run(recipe, directory, on_step=on_step, on_phase=context.log.info, resume_from=resume,
-                      on_sft_step=on_sft_step)
+    with exclusive(directory), ray.session(), progress.bars(recipe.train.steps) as bars:
+        results = run(recipe, directory, resume_from=resume,
+                      on_step=calls(log_step, bars and bars.on_step),
+                      on_phase=calls(context.log.info, bars and bars.on_phase),
+                      on_sft_step=calls(log_sft_step, bars and bars.on_sft_step))
 
     metadata = {
         "run_dir": dg.MetadataValue.path(str(directory)),

@@ -41,49 +41,12 @@ def cmd_recipe_schema(args) -> int:
 
 
 def _train_with_progress(recipe, run_dir: Path) -> dict:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
+    from factory.progress import RunProgress
     from factory.run import run
 
-    console = Console(stderr=True)
-    progress = Progress(
-        TextColumn("[bold]step {task.completed:>4.0f}/{task.total:.0f}"), BarColumn(),
-        TextColumn("reward {task.fields[reward]:.3f}"), TextColumn("{task.fields[rate]:.0f} samples/s"),
-        TextColumn("staleness {task.fields[stale]:.2f} (max {task.fields[stale_max]:.0f})"),
-        TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False,
-    )
-    bar = progress.add_task("train", total=recipe.train.steps, reward=0.0, rate=0.0, stale=0.0, stale_max=0)
-
-    sft = Progress(TextColumn("[bold]SFT warm start {task.completed:>4.0f}/{task.total:.0f}"), BarColumn(),
-                   TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                   console=console)
-    sft_bar = None
-
-    def on_sft_step(done: int, total: int, loss: float) -> None:
-        nonlocal sft_bar
-        if sft_bar is None:
-            sft.start()
-            sft_bar = sft.add_task("sft", total=total, loss=loss)
-        sft.update(sft_bar, completed=done, loss=loss)
-        if done == total:
-            sft.stop()
-
-    def on_phase(text: str) -> None:
-        console.print(f"[cyan]»[/cyan] {text}")
-
-    def on_step(report) -> None:
-        m = report.metrics
-        if not progress.live.is_started:
-            progress.start()
-        progress.update(bar, completed=report.step, reward=m["rollout/reward_mean"], rate=m["perf/samples_per_s"],
-                        stale=m["staleness/mean"], stale_max=m["staleness/max"])
-
-    try:
-        return run(recipe, run_dir, on_step=on_step, on_phase=on_phase, on_sft_step=on_sft_step)
-    finally:
-        sft.stop()
-        progress.stop()
+    with RunProgress(recipe.train.steps) as progress:
+        return run(recipe, run_dir, on_step=progress.on_step, on_phase=progress.on_phase,
+                   on_sft_step=progress.on_sft_step)
 
 
 def print_summary(results: dict) -> None:

@@ -11,7 +11,11 @@ from tests.assets.conftest import SWEEP_RECIPE
 def test_definitions_load_and_validate(defs):
     dg.Definitions.validate_loadable(defs)
     repo = defs.get_repository_def()
-    assert {"sweep_job", "rl_run_job", "evaluation_job"} <= set(repo.job_names)
+    assert {"main_job", "sweep_job", "rl_run_job", "evaluation_job"} <= set(repo.job_names)
+    main = defs.resolve_job_def("main_job")
+    assert {k.to_user_string() for k in main.asset_layer.selected_asset_keys} == {
+        "task_dataset", "base_policy", "rl_run", "evaluation"}
+    assert main.tags["factory/kind"] == "rl_run"  # under the one-RL-run-at-a-time limit
     assert {s.name for s in repo.sensor_defs} == {"rl_run_launcher", "checkpoint_evaluation_sensor", "rl_run_recovery"}
     assert [s.name for s in repo.schedule_defs] == ["evaluation_schedule"]
     graph = defs.resolve_asset_graph()

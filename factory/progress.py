@@ -1,0 +1,55 @@
+"""Live terminal progress of one run: the SFT warm start, then training (step, mean reward,
+samples/s, staleness), as rich bars on stderr. Used by `factory run` and by the Dagster main job
+(`python -m assets materialize`), which hand its methods to `factory.run.run` as callbacks."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class RunProgress:
+    """`with RunProgress(steps) as p: run(..., on_step=p.on_step, on_phase=p.on_phase, on_sft_step=p.on_sft_step)`."""
+
+    def __init__(self, total_steps: int, console: Console | None = None):
+        self.console = console or Console(stderr=True)
+        self.train = Progress(
+            TextColumn("[bold]step {task.completed:>4.0f}/{task.total:.0f}"), BarColumn(),
+            TextColumn("reward {task.fields[reward]:.3f}"), TextColumn("{task.fields[rate]:.0f} samples/s"),
+            TextColumn("staleness {task.fields[stale]:.2f} (max {task.fields[stale_max]:.0f})"),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
+        )
+        self.bar = self.train.add_task("train", total=total_steps, reward=0.0, rate=0.0, stale=0.0, stale_max=0)
+        self.sft = Progress(TextColumn("[bold]SFT warm start {task.completed:>4.0f}/{task.total:.0f}"), BarColumn(),
+                            TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                            console=self.console)
+        self.sft_bar = None
+
+    def on_phase(self, text: str) -> None:
+        self.console.print(f"[cyan]»[/cyan] {text}")
+
+    def on_sft_step(self, done: int, total: int, loss: float) -> None:
+        if self.sft_bar is None:
+            self.sft.start()
+            self.sft_bar = self.sft.add_task("sft", total=total, loss=loss)
+        self.sft.update(self.sft_bar, completed=done, loss=loss)
+        if done == total:
+            self.sft.stop()
+
+    def on_step(self, report) -> None:
+        m = report.metrics
+        if not self.train.live.is_started:
+            self.train.start()
+        self.train.update(self.bar, completed=report.step, reward=m.get("rollout/reward_mean", 0.0),
+                          rate=m.get("perf/samples_per_s", 0.0), stale=m.get("staleness/mean", 0.0),
+                          stale_max=m.get("staleness/max", 0))
+
+    def close(self) -> None:
+        self.sft.stop()
+        self.train.stop()
+
+    def __enter__(self) -> RunProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
