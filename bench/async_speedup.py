@@ -8,6 +8,12 @@ waits for. Prints time to train N samples, the speed-up over the first row, the 
 fraction and the held-out accuracy after training; writes bench/results/async_speedup.json.
 
     python bench/async_speedup.py [--steps 12] [--etas 0 1 4] [--modes wait abort_resume inflight]
+
+`--scheduling` runs the long-tail scheduling comparison instead (results to
+bench/results/scheduling.json): synchronous (η = 0) steps with fewer slots than groups per step
+(4 vs 8), slowness a property of the task (some prompts always take ~20× longer) and a small
+task set so prompts recur — FIFO, longest-first (predicted from the run's own history),
+over-provisioning by half a step, and both.
 """
 
 from __future__ import annotations
@@ -28,10 +34,19 @@ HEAVY_TAIL = ["environment.latency.fast_s=0.05", "environment.latency.slow_s=1.0
               "environment.latency.slow_fraction=0.1"]
 
 
-def bench_recipe(eta: int, steps: int, mode: str = "wait", heldout: int = 0):
+SCHEDULING = {
+    "fifo": [],
+    "longest_first": ["async.schedule=longest_first"],
+    "overprovision": ["async.overprovision=4"],
+    "longest_first+overprovision": ["async.schedule=longest_first", "async.overprovision=4"],
+}
+SCHEDULING_WORKLOAD = ["environment.latency.per_task=true", "data.train_size=48", "async.max_inflight_groups=4"]
+
+
+def bench_recipe(eta: int, steps: int, mode: str = "wait", heldout: int = 0, extra: list[str] = ()):
     from factory.recipe import load_recipe
 
-    return load_recipe(REPO / "recipes" / "default.yaml", HEAVY_TAIL + [
+    return load_recipe(REPO / "recipes" / "default.yaml", HEAVY_TAIL + list(extra) + [
         f"async.max_staleness={eta}", f"train.steps={steps}", "train.checkpoint_every=0",
         f"rollout.partial_rollout={mode}", "eval.before=false", f"eval.after={str(heldout > 0).lower()}",
         f"eval.heldout={max(heldout, 1)}", "name=bench-async",
@@ -45,8 +60,11 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", default=["wait", "abort_resume", "inflight"],
                     help="partial-rollout modes to run at each η > 0 (η = 0 runs wait only)")
     ap.add_argument("--heldout", type=int, default=300, help="held-out tasks scored after each run (0: none)")
+    ap.add_argument("--scheduling", action="store_true", help="compare long-tail scheduling at η = 0 instead")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "async_speedup.json"))
     args = ap.parse_args()
+    if args.scheduling and args.out.endswith("async_speedup.json"):
+        args.out = str(REPO / "bench" / "results" / "scheduling.json")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import ray
@@ -62,14 +80,18 @@ def main() -> int:
     with local_ray(), tempfile.TemporaryDirectory() as tmp:
         engine = EngineActor.remote("vllm", str(policy), base.rollout, str(Path(tmp) / "vllm.log"))
         ray.get(engine.start.remote())
-        grid = [(eta, mode) for eta in args.etas for mode in (["wait"] if eta == 0 else args.modes)]
-        for eta, mode in grid:
-            recipe = bench_recipe(eta, args.steps, mode, args.heldout)
+        if args.scheduling:
+            grid = [(0, "wait", name) for name in SCHEDULING]
+        else:
+            grid = [(eta, mode, "fifo") for eta in args.etas for mode in (["wait"] if eta == 0 else args.modes)]
+        for eta, mode, sched in grid:
+            extra = SCHEDULING_WORKLOAD + SCHEDULING[sched] if args.scheduling else []
+            recipe = bench_recipe(eta, args.steps, mode, args.heldout, extra)
             t0 = time.perf_counter()
-            res = run(recipe, Path(tmp) / f"eta{eta}-{mode}", engines=[engine])
+            res = run(recipe, Path(tmp) / f"eta{eta}-{mode}-{sched}", engines=[engine])
             after = res.get("after") or {}
             rows.append({
-                "max_staleness": eta, "partial_rollout": mode, "steps": args.steps,
+                "max_staleness": eta, "partial_rollout": mode, "scheduling": sched, "steps": args.steps,
                 "samples_trained": res["samples_trained"],
                 "heldout_accuracy": after.get("mean"), "heldout_stderr": after.get("stderr"),
                 "train_seconds": res["train_seconds"], "wall_seconds": time.perf_counter() - t0,
@@ -77,19 +99,22 @@ def main() -> int:
                 "trainer_idle_fraction": res["trainer_idle_fraction"],
                 "weight_sync_seconds": res["weight_sync_seconds"],
             })
-            print(f"η={eta} {mode}: {res['samples_trained']} samples in {res['train_seconds']:.1f}s "
+            print(f"η={eta} {mode} {sched}: {res['samples_trained']} samples in {res['train_seconds']:.1f}s "
                   f"(idle {res['trainer_idle_fraction']:.0%})", flush=True)
         ray.get(engine.stop.remote())
 
     sync = rows[0]
-    print(f"\n{'η':>3} {'mode':>13} {'samples':>8} {'train s':>8} {'samples/s':>10} {'speedup':>8} "
+    label = "scheduling" if args.scheduling else "mode"
+    print(f"\n{'η':>3} {label:>27} {'samples':>8} {'train s':>8} {'samples/s':>10} {'speedup':>8} "
           f"{'trainer idle':>13} {'held-out':>9}")
     for r in rows:
         r["speedup_vs_first"] = sync["train_seconds"] / r["train_seconds"] * r["samples_trained"] / sync["samples_trained"]
         acc = "" if r["heldout_accuracy"] is None else f"{r['heldout_accuracy']:.3f}"
-        print(f"{r['max_staleness']:>3} {r['partial_rollout']:>13} {r['samples_trained']:>8} {r['train_seconds']:>8.1f} "
+        name = r["scheduling"] if args.scheduling else r["partial_rollout"]
+        print(f"{r['max_staleness']:>3} {name:>27} {r['samples_trained']:>8} {r['train_seconds']:>8.1f} "
               f"{r['samples_per_s']:>10.1f} {r['speedup_vs_first']:>7.2f}x {r['trainer_idle_fraction']:>12.0%} {acc:>9}")
-    out = {"workload": {"latency": HEAVY_TAIL, "recipe": "recipes/default.yaml"}, "runs": rows,
+    workload = HEAVY_TAIL + (SCHEDULING_WORKLOAD if args.scheduling else [])
+    out = {"workload": {"latency": workload, "recipe": "recipes/default.yaml"}, "runs": rows,
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

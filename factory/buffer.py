@@ -33,7 +33,12 @@ class StalenessBuffer:
 
     Admission. A new group may start while `capacity() > 0`, where
 
-        capacity = max(0, min(max_inflight − running, (η + v + 1)·B − (accepted + running)))
+        capacity = max(0, min(max_inflight − running, (η + v + 1)·B + O − (accepted + running)))
+
+    where O = `overprovision` (0 by default; the rest of this docstring assumes it). With O > 0,
+    O groups beyond the budget run alongside, so a step takes the first B groups to finish
+    rather than waiting for the slowest; a late one whose samples went stale meanwhile is
+    rejected by the per-sample rule below (the price of not waiting).
 
     Every group that is running or was accepted will be trained on by some step; the rule caps
     that total at the groups steps 0 … v+η can consume, so no group is started more than η
@@ -58,7 +63,7 @@ class StalenessBuffer:
     counted as accepted, so its slot is refilled by a new group.
 
     Accounting invariants: accepted = consumed + queued, and
-    accepted + running ≤ (η + v + 1)·B.
+    accepted + running ≤ (η + v + 1)·B + O.
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class StalenessBuffer:
         max_staleness: int,
         max_inflight: int,
         filter_zero_variance: bool = True,
+        overprovision: int = 0,
     ) -> None:
         if groups_per_step <= 0:
             raise ValueError(f"groups_per_step must be > 0, got {groups_per_step}")
@@ -78,6 +84,9 @@ class StalenessBuffer:
         self.max_staleness = max_staleness
         self.max_inflight = max_inflight
         self.filter_zero_variance = filter_zero_variance
+        if overprovision < 0:
+            raise ValueError(f"overprovision must be >= 0, got {overprovision}")
+        self.overprovision = overprovision
 
         self._version = 0
         self._queue: deque[Group] = deque()
@@ -114,7 +123,7 @@ class StalenessBuffer:
     def capacity(self) -> int:
         """How many more groups may start now: the formula in the class docstring."""
         inflight_room = self.max_inflight - self.running
-        staleness_room = (self.max_staleness + self._version + 1) * self.groups_per_step - (
+        staleness_room = (self.max_staleness + self._version + 1) * self.groups_per_step + self.overprovision - (
             self.accepted + self.running
         )
         return max(0, min(inflight_room, staleness_room))

@@ -82,6 +82,8 @@ class LatencySection(Section):
     fast_s: float = Field(0.0, ge=0)
     slow_s: float = Field(0.0, ge=0)
     slow_fraction: float = Field(0.0, ge=0, le=1)
+    per_task: bool = Field(False, description="slowness is a property of the task (a hash of its id), not a "
+                           "coin flip per episode — as when some prompts need long tool use")
 
 
 class SandboxSection(Section):
@@ -252,6 +254,12 @@ class AlgorithmSection(Section):
 class AsyncSection(Section):
     max_staleness: int = Field(1, ge=0, description="η: 0 synchronous, 1 one-step off-policy, k async")
     max_inflight_groups: int = Field(32, gt=0)
+    overprovision: int = Field(0, ge=0, description="groups started beyond the staleness budget, so a step takes "
+                               "the first B to finish instead of waiting for the slowest (late ones may go stale)")
+    schedule: Literal["fifo", "longest_first"] = Field(
+        "fifo", description="which upcoming prompt starts next: in order, or the one predicted to run longest "
+        "(from the run's own history of group wall times)")
+    lookahead: int = Field(16, gt=0, description="longest_first: upcoming tasks it chooses among")
 
 
 class LoraSection(Section):

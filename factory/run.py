@@ -120,7 +120,8 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         scorer = ScorerActor.remote(recipe.algorithm.distill, recipe.rollout) if recipe.algorithm.distill.teacher else None
         buffer = BufferActor.remote(recipe.name, source.train, recipe.train.groups_per_step,
                                     recipe.async_.max_staleness, recipe.async_.max_inflight_groups,
-                                    recipe.algorithm.filter_zero_variance, recipe.train.seed)
+                                    recipe.algorithm.filter_zero_variance, recipe.train.seed,
+                                    recipe.async_.overprovision, recipe.async_.schedule, recipe.async_.lookahead)
         ray.get([e.start.remote() for e in engines])
         if not own_engines:
             ray.get([e.set_partial_rollout.remote(recipe.rollout.partial_rollout) for e in engines])

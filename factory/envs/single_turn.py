@@ -1,13 +1,16 @@
-"""Single-turn question answering: one chat call, the reply is the answer, the verifier scores it."""
+"""Single-turn question answering: one chat call, the reply is the answer, the verifier scores it
+(code tasks: the reply's program runs against the task's unit tests in a sandbox)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import zlib
 from typing import Any
 
 from factory.envs.base import EpisodeResult, register_environment
-from factory.rewards.verifiers import reasoning_gym_reward
+from factory.envs.sandboxes import EnvSandbox
+from factory.rewards import score_answer
 from factory.types import Task
 
 
@@ -21,15 +24,19 @@ class SingleTurnEnvironment:
         self.fast_s = getattr(latency, "fast_s", 0.0)
         self.slow_s = getattr(latency, "slow_s", 0.0)
         self.slow_fraction = getattr(latency, "slow_fraction", 0.0)
+        self.per_task = getattr(latency, "per_task", False)
         self._rng = random.Random(0)
+        self.sandbox = EnvSandbox(getattr(section, "sandbox", None))  # made on first code task
 
     def prompt_messages(self, task: Task) -> list[dict]:
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return messages + [{"role": "user", "content": task.question}]
 
-    async def _simulated_latency(self) -> float:
-        """Heavy-tailed think/tool time for benchmarks: most episodes fast, a few much slower."""
-        delay = self.slow_s if self._rng.random() < self.slow_fraction else self.fast_s
+    async def _simulated_latency(self, task: Task) -> float:
+        """Heavy-tailed think/tool time for benchmarks: most episodes fast, a few much slower — by a
+        coin flip per episode, or (`per_task`) for a fixed share of the tasks."""
+        draw = (zlib.crc32(task.task_id.encode()) % 10_000) / 10_000 if self.per_task else self._rng.random()
+        delay = self.slow_s if draw < self.slow_fraction else self.fast_s
         if delay > 0:
             await asyncio.sleep(delay)
         return delay
@@ -38,6 +45,7 @@ class SingleTurnEnvironment:
         reply = await client.chat.completions.create(
             model=model, messages=self.prompt_messages(task), **sampling
         )
-        delay = await self._simulated_latency()
+        delay = await self._simulated_latency(task)
         answer = reply.choices[0].message.content
-        return EpisodeResult(reward=reasoning_gym_reward(answer, task), info={"answer": answer, "delay_s": delay})
+        reward, info = await score_answer(answer, task, self.sandbox)
+        return EpisodeResult(reward=reward, info={"answer": answer, "delay_s": delay, **info})

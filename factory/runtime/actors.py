@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
 import ray
@@ -111,13 +112,19 @@ class BufferActor:
     """The staleness gate plus the task sampler: hands out admission tickets and batches."""
 
     def __init__(self, run_id: str, tasks: list[Task], groups_per_step: int, max_staleness: int,
-                 max_inflight: int, filter_zero_variance: bool, seed: int):
+                 max_inflight: int, filter_zero_variance: bool, seed: int, overprovision: int = 0,
+                 schedule: str = "fifo", lookahead: int = 16):
         from factory.buffer import StalenessBuffer
         from factory.data.tasks import TaskSampler
+        from factory.scheduling import DurationPredictor, LongestFirst
 
         self.run_id = run_id
-        self.buffer = StalenessBuffer(groups_per_step, max_staleness, max_inflight, filter_zero_variance)
+        self.buffer = StalenessBuffer(groups_per_step, max_staleness, max_inflight, filter_zero_variance,
+                                      overprovision)
         self.sampler = TaskSampler(tasks, seed)
+        self.tasks_by_id = {t.task_id: t for t in tasks}
+        self.predictor = DurationPredictor()
+        self.scheduler = LongestFirst(self.sampler.next, self.predictor, lookahead) if schedule == "longest_first" else None
         self.next_group = 0
         self.changed = asyncio.Condition()
         self.stopped = False
@@ -135,9 +142,11 @@ class BufferActor:
             self.buffer.start()
             group_id = f"{self.run_id}-g{self.next_group:07d}"
             self.next_group += 1
-            return group_id, self.sampler.next()
+            return group_id, (self.scheduler or self.sampler).next()
 
-    async def finish(self, group: Group | None) -> str:
+    async def finish(self, group: Group | None, seconds: float | None = None) -> str:
+        if group is not None and seconds is not None:
+            self.predictor.observe(group.task, seconds)
         status = self.buffer.finish(group)
         await self._notify()
         return status
@@ -156,12 +165,17 @@ class BufferActor:
         await self._notify()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"buffer": self.buffer.state_dict(), "sampler": self.sampler.state_dict(), "next_group": self.next_group}
+        pending = [t.task_id for t in self.scheduler.pending] if self.scheduler else []
+        return {"buffer": self.buffer.state_dict(), "sampler": self.sampler.state_dict(), "next_group": self.next_group,
+                "scheduler_pending": pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buffer.load_state_dict(state["buffer"])
         self.sampler.load_state_dict(state["sampler"])
         self.next_group = state["next_group"]
+        if self.scheduler:  # tasks drawn but not started before the checkpoint go first
+            self.scheduler.window.extend((self.tasks_by_id[i], 0) for i in state.get("scheduler_pending", [])
+                                         if i in self.tasks_by_id)
 
     def metrics(self) -> dict[str, float]:
         return self.buffer.metrics()
@@ -195,11 +209,12 @@ class EnvWorkerActor:
         return await self.gateway.serve()
 
     async def _group(self, group_id: str, task: Task) -> None:
+        t0 = time.perf_counter()
         try:
             group = await self.runner.run_group(task, group_id)
         except Exception:
             group = None
-        await self.buffer.finish.remote(group)
+        await self.buffer.finish.remote(group, time.perf_counter() - t0)
 
     async def produce(self) -> None:
         """Start groups whenever the buffer admits one, until `stop_producing`."""
