@@ -42,6 +42,8 @@ class RunRecorder:
             catalog = open_catalog(recipe.lake.catalog or None, namespace=recipe.lake.namespace)
             self.lake = TrajectoryWriter(catalog, recipe.lake.namespace, run_id=self.run_id)
             self.rewound = self.lake.rewind(start)  # {table: rows deleted}; empty for a new run
+            if resume_from is not None:  # its row may not have been committed before the crash
+                self.log_checkpoint(start, start, Path(resume_from))
         self.tracker = None
         if recipe.tracking.enabled:
             from factory.tracking import RunTracker
@@ -78,6 +80,12 @@ class RunRecorder:
         if self.lake is not None:
             self.lake.append("checkpoints", [{"run_id": self.run_id, "step": step, "version": version,
                                               "path": str(path)}])
+
+    def flush(self) -> None:
+        """Wait until the lake has committed every row recorded so far (before a checkpoint is saved:
+        a run resumed from it re-sends nothing up to it)."""
+        if self.lake is not None:
+            self.lake.flush()
 
     def log_evaluation(self, step: int, version: int, suite: str, result: dict[str, Any]) -> None:
         if self.lake is not None:

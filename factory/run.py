@@ -179,6 +179,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
             if (every and step % every == 0) or step == recipe.train.steps:
                 extra = {"buffer": ray.get(buffer.state_dict.remote()), "step": step}
                 ckpt = run_dir / "checkpoints" / f"step-{step:06d}"
+                record.flush()  # the lake holds every row up to a checkpoint before the checkpoint exists
                 ray.get(trainer.save_checkpoint.remote(str(ckpt), extra))
                 record.log_checkpoint(step, step, ckpt)
         train_s = time.perf_counter() - t_train

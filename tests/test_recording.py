@@ -36,6 +36,8 @@ def test_a_resumed_run_rewinds_the_lake_and_continues_its_mlflow_run(tmp_path, m
 
     second = RunRecorder(recipe, run_dir, resume_from=checkpoint)
     assert second.rewound == {"samples": 2, "steps": 2}
+    second.flush()
+    assert sql("SELECT step, path FROM checkpoints").to_pylist() == [{"step": 2, "path": str(checkpoint)}]
     assert second.tracker.run_id == mlflow_run
     second.lake.append("samples", [sample_row("run-1", f"s{step}", step=step, reward=0.0) for step in (3, 4)])
     for step in (3, 4):
