@@ -1,5 +1,5 @@
-"""Task sources over reasoning-gym, with seeded disjoint train/held-out splits, and a sampler
-whose position is saved in checkpoints."""
+"""Task sources over reasoning-gym and the repository's own task files, with seeded disjoint
+train/held-out splits, and a sampler whose position is saved in checkpoints."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ import json
 import random
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable
 
+from factory.data.code_tasks import CODE_FAMILY, code_family_tasks
 from factory.types import Task
+
+# Families that are not reasoning-gym datasets: name -> (config, split, seed) -> that split's tasks
+LOCAL_FAMILIES: dict[str, Callable[[dict[str, Any], str, int], list[Task]]] = {CODE_FAMILY: code_family_tasks}
 
 
 def _family_seed(seed: int, family: str, split: str) -> int:
@@ -37,7 +41,8 @@ class TaskFamilySpec:
 
 
 class ReasoningGymSource:
-    """Procedural tasks from reasoning-gym families, mixed by weight.
+    """Procedural tasks from reasoning-gym families (and fixed sets named in LOCAL_FAMILIES), mixed
+    by weight.
 
     The held-out split is generated from its own seed; the training split skips any question
     that also appears held-out, so the two are disjoint by construction.
@@ -75,21 +80,21 @@ class ReasoningGymSource:
         sizes[0] += total - sum(sizes)
         return sizes
 
+    def _candidates(self, spec: TaskFamilySpec, split: str, size: int):
+        if spec.name in LOCAL_FAMILIES:
+            yield from LOCAL_FAMILIES[spec.name](dict(spec.config), split, self.seed)
+            return
+        # over-generate: duplicates and held-out questions are skipped below
+        for i, entry in enumerate(self._dataset(spec, split, size * 3 + 64)):
+            yield Task(task_id=f"{spec.name}/{split}/{i}", family=spec.name, question=entry["question"],
+                       answer=str(entry["answer"]), metadata={"rg_entry": entry})
+
     def _generate(self, split: str, total: int, exclude: set[str]) -> list[Task]:
         tasks: list[Task] = []
         for spec, size in zip(self.families, self._sizes(total)):
-            # over-generate: duplicates and held-out questions are skipped, so each split holds
-            # unique questions (a small family may hold fewer than asked for)
-            ds = self._dataset(spec, split, size * 3 + 64)
+            # each split holds unique questions (a small family may hold fewer than asked for)
             n = 0
-            for i, entry in enumerate(ds):
-                task = Task(
-                    task_id=f"{spec.name}/{split}/{i}",
-                    family=spec.name,
-                    question=entry["question"],
-                    answer=str(entry["answer"]),
-                    metadata={"rg_entry": entry},
-                )
+            for task in self._candidates(spec, split, size):
                 if _question_key(task) in exclude:
                     continue
                 exclude.add(_question_key(task))
