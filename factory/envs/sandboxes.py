@@ -1,0 +1,41 @@
+"""The sandbox an environment runs code in (tool calls, unit tests), made on first use from the
+recipe's `environment.sandbox` section."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+
+from factory.sandbox import Limits, Program, Result, SandboxPool, make_sandbox
+
+
+class EnvSandbox:
+    """A lazily made sandbox with one bounded pool per event loop (a pool's semaphore belongs to the
+    loop that first waits on it; tests run episodes under several loops). Without a section it uses
+    the defaults: `auto` backend, the `python` image, 8 programs at once."""
+
+    def __init__(self, section=None):
+        self.backend = getattr(section, "backend", "auto")
+        self.image = getattr(section, "image", "python")
+        self.concurrency = getattr(section, "concurrency", 8)
+        self.limits = Limits(wall_s=getattr(section, "wall_s", 10.0), memory_mb=getattr(section, "memory_mb", 256),
+                             pids=16, output_bytes=64 * 1024)
+        self._sandbox = None
+        self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    async def pool(self) -> SandboxPool:
+        if self._sandbox is None:
+            self._sandbox = await asyncio.to_thread(make_sandbox, self.backend, self.image, self.limits)
+        loop = asyncio.get_running_loop()
+        if loop not in self._pools:
+            self._pools[loop] = await SandboxPool(self._sandbox, self.concurrency, self.limits).start()
+        return self._pools[loop]
+
+    async def run(self, program: Program, limits: Limits | None = None) -> Result:
+        return await (await self.pool()).run(program, limits)
+
+    def close(self) -> None:
+        if self._sandbox is not None:
+            self._sandbox.close()
+            self._sandbox = None
+            self._pools.clear()
