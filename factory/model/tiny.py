@@ -14,10 +14,23 @@ PAD = "<|pad|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 SPECIAL_TOKENS = [PAD, END, *ROLE_TOKENS]
 
-# One role tag, the content, then <|end|>; <|end|> is also EOS, so a reply stops on it.
+# One role tag, the content, then <|end|>; <|end|> is also EOS, so a reply stops on it. An
+# assistant message's tool calls follow its content as <tool_call>{"name": ..., "arguments": ...}</tool_call>
+# (what the gateway parses out of sampled text); tool results are <|tool|> messages. Tool schemas
+# are not rendered: environments describe their tools in the system prompt. A plain chat renders
+# exactly as before tool calls existed, so cached models stay valid.
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 CHAT_TEMPLATE = (
     "{%- for m in messages -%}"
-    "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
+    "<|{{ m['role'] }}|>"
+    "{%- if m['content'] is string -%}{{ m['content'] }}{%- endif -%}"
+    "{%- for call in m['tool_calls'] or [] -%}"
+    "{%- set f = call['function'] if call['function'] is defined else call -%}"
+    "<tool_call>{\"name\": {{ f['name'] | tojson }}, \"arguments\": "
+    "{%- if f['arguments'] is string %} {{ f['arguments'] }}{% else %} {{ f['arguments'] | tojson }}{% endif -%}"
+    "}</tool_call>"
+    "{%- endfor -%}"
+    "<|end|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
 )

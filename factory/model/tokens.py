@@ -1,11 +1,43 @@
-"""Turning chat messages into token ids: the one place the chat template is applied."""
+"""Turning chat messages into token ids: the one place the chat template is applied.
+
+The gateway and the SFT warm start both build multi-turn ids here, the same way: a conversation's
+ids are the first prompt's ids, then each reply's ids, then only the *new* messages' ids
+(`encode_continuation`), never a re-tokenization of the whole conversation.
+"""
 
 from __future__ import annotations
 
 
-def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list | None = None) -> list[int]:
+    text = render_chat(tokenizer, messages, add_generation_prompt, tools)
     return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def encode_continuation(tokenizer, old: list[dict], new: list[dict], tools: list | None = None) -> list[int]:
+    """Ids of messages `new` (and the generation prompt) appended to a conversation `old` whose ids
+    are already known: the template rendered for old + new, minus the template rendered for old alone.
+    Raises ValueError if the template does not render the longer conversation as an extension."""
+    old_text = render_chat(tokenizer, old, add_generation_prompt=False, tools=tools)
+    full_text = render_chat(tokenizer, old + new, add_generation_prompt=True, tools=tools)
+    if not full_text.startswith(old_text):
+        raise ValueError("the chat template does not render the conversation as a prefix extension")
+    return tokenizer(full_text[len(old_text):], add_special_tokens=False).input_ids
+
+
+def encode_reply(tokenizer, context: list[dict], reply: dict, tools: list | None = None) -> list[int]:
+    """Ids of assistant message `reply` after `context` as the template renders it, up to and including
+    its end token: what a model must sample for that reply (the SFT target of a demonstration turn)."""
+    prompt = render_chat(tokenizer, context, add_generation_prompt=True, tools=tools)
+    full = render_chat(tokenizer, context + [reply], add_generation_prompt=False, tools=tools)
+    if not full.startswith(prompt):
+        raise ValueError("the chat template does not render a reply after its generation prompt")
+    return tokenizer(full[len(prompt):], add_special_tokens=False).input_ids
 
 
 def end_token_id(tokenizer) -> int:

@@ -9,11 +9,21 @@ uses a stock `openai` client and never learns about sessions. For every chat cal
 3. records prompt ids, sampled ids, their logprobs, the loss mask and the version of every token.
 
 `finish(session)` turns the record into a `Sample`.
+
+Tool calling (OpenAI `tools=[...]`): a reply whose sampled text holds
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks naming offered tools comes back
+as `message.tool_calls` (finish reason "tool_calls"), any text before the first block as its
+content; a malformed block leaves the whole reply plain text. The agent sends tool results back
+as `role: tool` messages; they enter the episode as non-sampled tokens (loss mask 0). Earlier
+messages are compared as the template renders them (role, content, tool names and arguments),
+so an agent may echo the assistant message back in any equivalent form (ids, argument spacing).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 import uuid
 import zlib
@@ -26,7 +36,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from factory.model.tokens import encode_chat
+from factory.model.tokens import encode_chat, encode_continuation
 from factory.rollout.engine import Generation, SamplingParams
 from factory.types import NOT_SAMPLED, Sample
 
@@ -65,7 +75,77 @@ class SessionRecord:
 
 
 def _strip_message(m: dict) -> dict:
-    return {k: v for k, v in m.items() if v is not None}
+    """A message without None fields, its content parts (OpenAI `[{"type": "text", ...}]`) joined."""
+    if not isinstance(m, dict):
+        raise GatewayError(f"each message must be an object, got {type(m).__name__}")
+    out = {k: v for k, v in m.items() if v is not None}
+    if isinstance(out.get("content"), list):
+        parts = out["content"]
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+            raise GatewayError("message content parts other than text are not supported")
+        out["content"] = "".join(str(p.get("text", "")) for p in parts)
+    return out
+
+
+def _call_arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def _rendered_form(m: dict) -> tuple:
+    """What the chat template renders of a message: role, content and tool calls (name, arguments)."""
+    calls = []
+    for call in m.get("tool_calls") or []:
+        f = call.get("function", call) if isinstance(call, dict) else {}
+        calls.append((f.get("name"), json.dumps(_call_arguments(f.get("arguments")), sort_keys=True)))
+    return m.get("role"), m.get("content") or "", tuple(calls)
+
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[tuple[str, dict]]]:
+    """(content before the first call or None, [(tool name, arguments)]) from sampled text. All or
+    nothing: if any block is not JSON naming an offered tool with object arguments, there are no calls
+    and the content is the whole text."""
+    found = list(_TOOL_CALL.finditer(text))
+    calls = []
+    for match in found:
+        try:
+            obj = json.loads(match.group(1))
+        except ValueError:
+            return text, []
+        if not isinstance(obj, dict) or obj.get("name") not in names:
+            return text, []
+        arguments = _call_arguments(obj.get("arguments", {}))
+        if not isinstance(arguments, dict):
+            return text, []
+        calls.append((obj["name"], arguments))
+    if not calls:
+        return text, []
+    content = text[: found[0].start()]
+    return (content if content.strip() else None), calls
+
+
+def tool_names(body: dict[str, Any]) -> set[str]:
+    """The names of the function tools a request offers (empty: tool calls are not parsed)."""
+    tools = body.get("tools") or []
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise GatewayError(f"tool_choice {choice!r} is not supported: use 'auto' or 'none'")
+    if not isinstance(tools, list):
+        raise GatewayError("tools must be a list of {'type': 'function', 'function': {'name': ...}}")
+    names = set()
+    for i, tool in enumerate(tools):
+        name = tool.get("function", {}).get("name") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(name, str) or not name:
+            raise GatewayError(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ...}}}}")
+        names.add(name)
+    return set() if choice == "none" else names
 
 
 class Gateway:
@@ -84,17 +164,17 @@ class Gateway:
 
     # ---- token accounting (pure, unit-tested) ------------------------------------------------
 
-    def prompt_ids_for(self, record: SessionRecord, messages: list[dict]) -> list[int]:
+    def prompt_ids_for(self, record: SessionRecord, messages: list[dict], tools: list | None = None) -> list[int]:
         """Token ids for the engine: the session's ids so far plus only the new messages' tokens."""
         messages = [_strip_message(m) for m in messages]
         if record.turns == 0:
-            ids = encode_chat(self.tokenizer, messages)
+            ids = encode_chat(self.tokenizer, messages, tools=tools)
             record.prompt_ids = list(ids)
             record.messages = messages
             self.stats["prompt_tokens_new"] += len(ids)
             return ids
         known = len(record.messages)
-        if messages[:known] != record.messages:
+        if [_rendered_form(m) for m in messages[:known]] != [_rendered_form(m) for m in record.messages]:
             raise GatewayError(
                 "conversation diverged from what this session already sampled; start a new session "
                 "for a forked conversation"
@@ -102,14 +182,12 @@ class Gateway:
         new = messages[known:]
         if not new:
             raise GatewayError("no new messages since the last turn")
-        # the template rendered for (old + new) minus the template rendered for old alone
-        old_text = self.tokenizer.apply_chat_template(record.messages, tokenize=False, add_generation_prompt=False)
-        full_text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        if not full_text.startswith(old_text):
-            raise GatewayError("the chat template does not render the conversation as a prefix extension")
-        delta = self.tokenizer(full_text[len(old_text):], add_special_tokens=False).input_ids
+        try:
+            delta = encode_continuation(self.tokenizer, record.messages, new, tools=tools)
+        except ValueError as err:
+            raise GatewayError(str(err)) from None
         record.extend(delta, sampled=False)
-        record.messages = messages
+        record.messages = record.messages + new
         self.stats["prompt_tokens_new"] += len(delta)
         return record.all_ids
 
@@ -153,13 +231,23 @@ class Gateway:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise GatewayError("messages must be a non-empty list")
+        names = tool_names(body)
         record = self.sessions.setdefault(session_id, SessionRecord(session_id))
-        prompt_ids = self.prompt_ids_for(record, messages)
+        prompt_ids = self.prompt_ids_for(record, messages, body.get("tools") or None)
         sampling = self.sampling_from(body)
         t0 = time.perf_counter()
         gen = await self.engine_for(session_id).generate(prompt_ids, sampling, f"{session_id}-{record.turns}")
         record.generate_s += time.perf_counter() - t0
         text = self.record_generation(record, gen)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = "length" if gen.finish_reason == "length" else "stop"
+        content, calls = parse_tool_calls(text, names) if names else (text, [])
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": [
+                {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                 "function": {"name": name, "arguments": json.dumps(arguments)}} for name, arguments in calls]}
+            record.messages[-1] = _strip_message(message)
+            finish = "tool_calls"
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex[:16]}",
             "object": "chat.completion",
@@ -167,8 +255,8 @@ class Gateway:
             "model": self.model_name,
             "choices": [{
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": "length" if gen.finish_reason == "length" else "stop",
+                "message": message,
+                "finish_reason": finish,
             }],
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(gen.token_ids),
                       "total_tokens": len(prompt_ids) + len(gen.token_ids)},
