@@ -4,4 +4,4 @@ from factory.envs.base import ENVIRONMENTS, Environment, EpisodeResult, register
 
 __all__ = ["ENVIRONMENTS", "Environment", "EpisodeResult", "register_environment"]
 
-from factory.envs import single_turn  # noqa: E402,F401  (registers itself)
+from factory.envs import single_turn, tool_agent  # noqa: E402,F401  (they register themselves)

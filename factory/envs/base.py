@@ -27,6 +27,10 @@ class Environment(Protocol):
     async def run_episode(self, client, model: str, task: Task, sampling: dict[str, Any]) -> EpisodeResult:
         """Play one episode through `client` (an `openai.AsyncOpenAI`) and score it."""
 
+    # Optional: `demonstration(task) -> list[dict] | None`, a whole synthetic episode (prompt messages,
+    # assistant turns with tool calls, tool results, final answer) whose assistant turns the SFT warm
+    # start trains on; None (or no such method) trains on the prompt and the task's answer.
+
 
 ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
 

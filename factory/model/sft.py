@@ -28,14 +28,29 @@ def policy_fingerprint(recipe) -> str:
 
 
 def sft_examples(tokenizer, env, tasks) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids + <|end|>) per task, with the prompt exactly as the gateway builds it."""
-    from factory.model.tokens import encode_chat
+    """(prompt ids, answer ids + <|end|>) per task, with the prompt exactly as the gateway builds it.
 
+    If the environment gives a `demonstration(task)` episode, each of its assistant turns is one
+    example instead: (the ids the gateway would send the engine before that turn, the turn's ids up
+    to its end token), so the loss falls on assistant tokens only, never on tool results."""
+    from factory.model.tokens import encode_chat, encode_continuation, encode_reply
+
+    demonstrate = getattr(env, "demonstration", None)
     out = []
     for t in tasks:
-        prompt = encode_chat(tokenizer, env.prompt_messages(t))
-        answer = tokenizer(t.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        out.append((prompt, answer))
+        episode = demonstrate(t) if demonstrate else None
+        if not episode:
+            prompt = encode_chat(tokenizer, env.prompt_messages(t))
+            answer = tokenizer(t.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            out.append((prompt, answer))
+            continue
+        turns = [i for i, m in enumerate(episode) if m["role"] == "assistant"]
+        ids = encode_chat(tokenizer, episode[: turns[0]])
+        for k, i in enumerate(turns):
+            reply = encode_reply(tokenizer, episode[:i], episode[i])
+            out.append((list(ids), reply))
+            if k + 1 < len(turns):  # the tool/user messages up to the next turn, appended as the gateway does
+                ids = ids + reply + encode_continuation(tokenizer, episode[: i + 1], episode[i + 1: turns[k + 1]])
     return out
 
 
