@@ -75,7 +75,7 @@ def main() -> int:
     from factory.runtime.cluster import local_ray
 
     base = bench_recipe(args.etas[0], args.steps)
-    policy = ensure_base_policy(base)
+    policy = ensure_base_policy(base)  # every row starts from the default recipe's warm start
     rows = []
     with local_ray(), tempfile.TemporaryDirectory() as tmp:
         engine = EngineActor.remote("vllm", str(policy), base.rollout, str(Path(tmp) / "vllm.log"))
@@ -85,7 +85,8 @@ def main() -> int:
         else:
             grid = [(eta, mode, "fifo") for eta in args.etas for mode in (["wait"] if eta == 0 else args.modes)]
         for eta, mode, sched in grid:
-            extra = SCHEDULING_WORKLOAD + SCHEDULING[sched] if args.scheduling else []
+            # the small task set would otherwise warm-start a policy of its own
+            extra = SCHEDULING_WORKLOAD + SCHEDULING[sched] + [f"model.path={policy}"] if args.scheduling else []
             recipe = bench_recipe(eta, args.steps, mode, args.heldout, extra)
             t0 = time.perf_counter()
             res = run(recipe, Path(tmp) / f"eta{eta}-{mode}-{sched}", engines=[engine])
