@@ -89,7 +89,7 @@ def build_recovery_sensor(job) -> dg.SensorDefinition:
     """Relaunch a failed run of `job` (the rl_run job) from its partition's latest checkpoint."""
 
     @dg.run_failure_sensor(name="rl_run_recovery", monitored_jobs=[job], request_job=job,
-                           default_status=dg.DefaultSensorStatus.RUNNING,
+                           default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=10,
                            description="Relaunches a failed RL run from its last checkpoint, up to its restart budget.")
     def rl_run_recovery(context: dg.RunFailureSensorContext):
         failed = context.dagster_run

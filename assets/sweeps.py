@@ -1,7 +1,7 @@
 """Sweeps: a recipe and a grid, picked in the launchpad, become one `rl_runs` partition per grid
 point; a sensor then launches an RL run for each partition the sweep asked for.
 
-    sweep_job (plan_sweep op)                          rl_run_launcher (sensor, every 30 s)
+    sweep_job (plan_sweep op)                          rl_run_launcher (sensor, every 10 s)
       recipe × grid ─▶ expand_sweep ─▶ per point:        per partition with launch.json, not
         <runs>/<key>/recipe.yaml, launch.json  ─────▶    finished, not running: RunRequest
         add partition <key> to rl_runs                   (run_key = key@sweep run: once per sweep)
@@ -97,7 +97,7 @@ def sweep_job():
     plan_sweep()
 
 
-def build_launch_sensor(job, interval_s: int = 30) -> dg.SensorDefinition:
+def build_launch_sensor(job, interval_s: int = 10) -> dg.SensorDefinition:
     """A sensor that launches `job` (the rl_run job) for each partition a sweep requested."""
 
     @dg.sensor(name="rl_run_launcher", job=job, minimum_interval_seconds=interval_s,

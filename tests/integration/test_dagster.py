@@ -1,0 +1,209 @@
+"""The Dagster code location on the real stack, through a `dagster dev` instance's GraphQL API:
+a sweep from the launchpad trains one run per grid point (Ray, vLLM, SQLite Iceberg catalog,
+SQLite MLflow), evaluations run on a checkpoint, and an RL run killed with SIGKILL comes back by
+itself from its last checkpoint with every sample and step in the lake exactly once.
+
+Runs take the session's cached tiny policy (`model.path`): no SFT here. One RL run at a time
+(dagster.yaml's limit), each with its own vLLM server (~40 s to start).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from assets.dev import DagsterDev
+from assets.runs import checkpoint_step, latest_checkpoint, partition_key
+from assets.sweeps import parse_grid
+from factory.lake import open_catalog, sql
+from factory.recipe import expand_sweep
+
+from .conftest import TEST_OVERRIDES, small_recipe
+
+pytestmark = pytest.mark.integration
+
+SWEEP_GRID = ["async.max_staleness=0,1"]
+TINY = ["train.steps=3", "eval.heldout=32"]  # with train.checkpoint_every=2: checkpoints at steps 2 and 3
+
+
+@pytest.fixture(scope="module")
+def dagster(policy, tmp_path_factory):
+    """dagster dev on a fresh state dir; the checkpoint sensor is stopped so that the evaluations
+    below are the ones the tests launch (it would start one beside any run that has a checkpoint)."""
+    dev = DagsterDev(tmp_path_factory.mktemp("factory-home"))
+    try:
+        dev.start()
+        dev.stop_sensor("checkpoint_evaluation_sensor")
+        yield dev
+    finally:
+        dev.stop()
+
+
+def overrides(policy: Path, *extra: str) -> list[str]:
+    return [*TEST_OVERRIDES, f"model.path={policy}", *extra]
+
+
+def lake(home: Path):
+    return open_catalog({"type": "sql", "uri": f"sqlite:///{home / 'lake' / 'catalog.db'}",
+                         "warehouse": (home / "lake" / "warehouse").as_uri()})
+
+
+def mlflow_runs(home: Path) -> dict[str, object]:
+    """{factory.run tag (the rl_runs key): MLflow run} in the `factory` experiment."""
+    client = MlflowClient(f"sqlite:///{home / 'mlflow' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("factory")
+    return {r.data.tags["factory.run"]: r for r in client.search_runs([experiment.experiment_id])}
+
+
+def launch_sweep(dagster: DagsterDev, run_overrides: list[str], grid: list[str]) -> str:
+    config = {"recipe": "recipes/default.yaml", "overrides": run_overrides, "grid": grid}
+    sweep = dagster.launch("sweep_job", {"ops": {"plan_sweep": {"config": config}}})
+    assert dagster.wait_for_run(sweep, 120)["status"] == "SUCCESS"
+    return sweep
+
+
+def test_a_sweep_of_two_points_trains_two_runs_with_lake_mlflow_and_evaluations(dagster, policy):
+    run_overrides = overrides(policy, *TINY)
+    sweep = launch_sweep(dagster, run_overrides, SWEEP_GRID)
+    recipe = small_recipe(*run_overrides[len(TEST_OVERRIDES):])
+    recipe.sweep = parse_grid(SWEEP_GRID)  # what plan_sweep does
+    keys = sorted(partition_key(sub) for _, sub in expand_sweep(recipe))
+    assert len(keys) == 2 and set(keys) <= set(dagster.partition_keys("rl_run"))
+
+    # the rl_run_launcher sensor starts one rl_run_job per point; dagster.yaml lets one run at a time.
+    # Once the first has finished, an evaluation of its step-2 checkpoint (which no run evaluated)
+    # is launched the way the schedule launches one, beside the second run's training.
+    in_sweep = [{"key": "factory/sweep_run_id", "value": sweep}]
+    done = dagster.wait_for_runs(1, 900, tags=in_sweep)[-1]  # (newest first: the oldest finished)
+    evaluated = done["tags"]["dagster/partition"]
+    checkpoint = dagster.home / "runs" / evaluated / "checkpoints" / "step-000002"
+    evaluation = dagster.launch("evaluation_job", {"ops": {"evaluation": {"config": {"checkpoint": str(checkpoint)}}}},
+                                tags={"dagster/partition": evaluated, "factory/kind": "evaluation"})
+    runs = dagster.wait_for_runs(2, 900, tags=in_sweep)
+    assert [r["status"] for r in runs] == ["SUCCESS", "SUCCESS"], [(r["runId"], r["status"]) for r in runs]
+    assert sorted(r["tags"]["dagster/partition"] for r in runs) == keys
+    assert {r["jobName"] for r in runs} == {"rl_run_job"}
+    first, second = sorted(runs, key=lambda r: r["startTime"])
+    assert second["startTime"] >= first["endTime"] - 1.0, "two RL runs overlapped despite the limit of one"
+
+    catalog = lake(dagster.home)
+    mlflow = mlflow_runs(dagster.home)
+    for run in runs:
+        key = run["tags"]["dagster/partition"]
+        events = dagster.events(run["runId"])
+        checks = {e["evaluation"]["checkName"]: e["evaluation"]["success"] for e in events
+                  if e["__typename"] == "AssetCheckEvaluationEvent"}
+        assert checks == {"no_duplicate_sample_ids": True, "staleness_within_eta": True,
+                          "versions_non_decreasing": True}
+        (materialization,) = dagster.materializations("rl_run", key)
+        assert materialization["runId"] == run["runId"]
+        # one MLflow run per RL run, finished, with the run's step metrics
+        assert materialization["metadata"]["mlflow_run_id"] == mlflow[key].info.run_id
+        assert mlflow[key].info.status == "FINISHED"
+        assert mlflow[key].data.params["async.max_staleness"] in ("0", "1")
+        history = MlflowClient(f"sqlite:///{dagster.home / 'mlflow' / 'mlflow.db'}").get_metric_history(
+            mlflow[key].info.run_id, "rollout/reward_mean")
+        assert sorted(m.step for m in history) == [1, 2, 3]
+
+        # the lake: 3 steps × 4 groups × 4 samples, each once; the before/after evaluations
+        per_step = sql(f"SELECT trained_step, count(*) AS n, count(DISTINCT sample_id) AS ids FROM samples "
+                       f"WHERE run_id = '{key}' GROUP BY 1 ORDER BY 1", catalog=catalog).to_pylist()
+        assert per_step == [{"trained_step": s, "n": 16, "ids": 16} for s in (1, 2, 3)]
+        steps = sql(f"SELECT step FROM steps WHERE run_id = '{key}' ORDER BY 1", catalog=catalog).to_pylist()
+        assert [r["step"] for r in steps] == [1, 2, 3]
+        evaluations = sql(f"SELECT step, suite, n FROM evaluations WHERE run_id = '{key}' AND step IN (0, 3) "
+                          f"ORDER BY 1", catalog=catalog).to_pylist()  # (step 2: the evaluation job's, below)
+        assert evaluations == [{"step": 0, "suite": "heldout", "n": 32}, {"step": 3, "suite": "heldout", "n": 32}]
+    assert len(mlflow) == 2
+
+    # the evaluation of the step-2 checkpoint: in the asset's metadata and the lake
+    assert dagster.wait_for_run(evaluation, 600)["status"] == "SUCCESS"
+    (scored,) = dagster.materializations("evaluation", evaluated)
+    assert scored["metadata"]["source"] == "evaluated now" and scored["metadata"]["n"] == 32
+    assert scored["metadata"]["step"] == 2 and 0.0 <= scored["metadata"]["accuracy"] <= 1.0
+    row = sql(f"SELECT n, mean FROM evaluations WHERE run_id = '{evaluated}' AND step = 2",
+              catalog=catalog).to_pylist()
+    assert row == [{"n": 32, "mean": pytest.approx(scored["metadata"]["accuracy"])}]
+
+
+def lake_position(catalog, key: str) -> int:
+    rows = sql(f"SELECT max(trained_step) AS s FROM samples WHERE run_id = '{key}'", catalog=catalog).to_pylist()
+    return rows[0]["s"] or 0
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        with open(f"/proc/{pid}/stat") as stat:
+            pid = int(stat.read().rsplit(")", 1)[1].split()[1])
+    return False
+
+
+def test_a_run_killed_with_sigkill_is_relaunched_from_its_last_checkpoint(dagster, policy):
+    steps = 20
+    run_overrides = overrides(policy, f"train.steps={steps}", "train.checkpoint_every=4", "eval.before=false",
+                              "eval.after=false", "train.max_restarts=1")
+    sweep = launch_sweep(dagster, run_overrides, [])
+    catalog = lake(dagster.home)
+
+    # wait until the run has a checkpoint and the lake holds samples of a later step, then kill -9
+    # the run worker: the process that executes the RL run (Ray driver, trainer loop, lake writer)
+    deadline = time.monotonic() + 600
+    while True:
+        runs = dagster.runs(tags=[{"key": "factory/sweep_run_id", "value": sweep}])
+        assert all(r["status"] not in ("SUCCESS", "FAILURE", "CANCELED") for r in runs), runs
+        if runs and runs[0]["status"] == "STARTED":
+            killed = runs[0]
+            key = killed["tags"]["dagster/partition"]
+            directory = dagster.home / "runs" / key
+            checkpoint = latest_checkpoint(directory)
+            if checkpoint is not None and lake_position(catalog, key) > checkpoint_step(checkpoint):
+                break
+        assert time.monotonic() < deadline, "the run never got past a checkpoint"
+        time.sleep(0.5)
+    (pid,) = {int(e["metadata"]["pid"]) for e in dagster.events(killed["runId"])
+              if e["__typename"] == "EngineEvent" and (e["message"] or "").startswith("Started process for run")}
+    assert descends_from(pid, dagster.process.pid)  # a process this test started, through dagster dev
+    position_at_kill = lake_position(catalog, key)
+    killed_at = datetime.now(timezone.utc)
+    os.kill(pid, signal.SIGKILL)
+
+    # run monitoring marks it failed; rl_run_recovery relaunches it from the latest checkpoint
+    assert dagster.wait_for_run(killed["runId"], 120)["status"] == "FAILURE"
+    (relaunched,) = dagster.wait_for_runs(1, 900, tags=[{"key": "factory/parent_run_id", "value": killed["runId"]}])
+    assert relaunched["status"] == "SUCCESS", relaunched
+    assert relaunched["tags"]["factory/root_run_id"] == killed["runId"]
+    assert relaunched["tags"]["factory/attempt"] == "1" and relaunched["tags"]["factory/sweep_run_id"] == sweep
+    (materialization,) = dagster.materializations("rl_run", key)
+    resumed_from = Path(materialization["metadata"]["resumed_from"])
+    resumed_step = int(resumed_from.name.removeprefix("step-"))
+    assert resumed_from.parent == directory / "checkpoints" and 4 <= resumed_step < steps
+    assert position_at_kill > resumed_step
+
+    # the lake: every step once, every sample id once, B·G samples per step; steps up to the
+    # checkpoint from the first attempt, the rest from the relaunch (the rows the killed attempt
+    # wrote past its checkpoint were rewound)
+    samples = sql(f"SELECT sample_id, trained_step, written_at FROM samples WHERE run_id = '{key}'",
+                  catalog=catalog).to_pylist()
+    ids = [s["sample_id"] for s in samples]
+    assert len(ids) == len(set(ids)) == steps * 16
+    assert sorted({s["trained_step"] for s in samples}) == list(range(1, steps + 1))
+    assert all((s["written_at"] < killed_at) == (s["trained_step"] <= resumed_step) for s in samples)
+    step_rows = sql(f"SELECT step FROM steps WHERE run_id = '{key}' ORDER BY 1", catalog=catalog).to_pylist()
+    assert [r["step"] for r in step_rows] == list(range(1, steps + 1))
+    checkpoints = sql(f"SELECT step FROM checkpoints WHERE run_id = '{key}' ORDER BY 1", catalog=catalog).to_pylist()
+    assert [r["step"] for r in checkpoints] == [4, 8, 12, 16, 20]
+
+    # the same MLflow run, continued
+    mlflow = mlflow_runs(dagster.home)
+    assert mlflow[key].info.status == "FINISHED"
+    assert mlflow[key].data.tags["factory.resumed"] == "1"
+    assert mlflow[key].data.tags["factory.resumed_from_step"] == str(resumed_step)
+    assert materialization["metadata"]["mlflow_run_id"] == mlflow[key].info.run_id
