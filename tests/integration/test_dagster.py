@@ -24,7 +24,7 @@ from assets.sweeps import parse_grid
 from factory.lake import open_catalog, sql
 from factory.recipe import expand_sweep
 
-from .conftest import TEST_OVERRIDES, small_recipe
+from .conftest import REPO, TEST_OVERRIDES, small_recipe
 
 pytestmark = pytest.mark.integration
 
@@ -207,3 +207,36 @@ def test_a_run_killed_with_sigkill_is_relaunched_from_its_last_checkpoint(dagste
     assert mlflow[key].data.tags["factory.resumed"] == "1"
     assert mlflow[key].data.tags["factory.resumed_from_step"] == str(resumed_step)
     assert materialization["metadata"]["mlflow_run_id"] == mlflow[key].info.run_id
+
+
+def test_main_materializes_the_asset_graph_in_process(policy, tmp_path):
+    """`make main`'s command on a tiny recipe: main_job in-process on the embedded instance, then
+    the summary and where to look (Dagster UI, MLflow UI, a SQL query that works)."""
+    import subprocess
+    import sys
+
+    home = tmp_path / "state"
+    env = {**os.environ, "FACTORY_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    for name in ("DAGSTER_HOME", "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FACTORY_DEPLOYMENT"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "assets", "materialize", "recipes/default.yaml",
+               *overrides(policy, "train.steps=2", "eval.heldout=16")]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "accuracy after RL  :" in out and "evaluation asset   : step 2:" in out
+    assert "-m assets -p 3000" in out and "mlflow ui --backend-store-uri sqlite:///" in out
+    query = out.split('lake sql "', 1)[1].split('"\n', 1)[0]
+
+    import dagster as dg
+
+    with dg.DagsterInstance.from_config(str(home / "dagster")) as instance:
+        (run,) = instance.get_runs()
+        assert run.job_name == "main_job" and run.status == dg.DagsterRunStatus.SUCCESS
+        key = run.tags["dagster/partition"]
+        for asset in ("task_dataset", "base_policy", "rl_run", "evaluation"):
+            (record,) = instance.fetch_materializations(dg.AssetKey(asset), limit=5).records
+            assert record.run_id == run.run_id
+    assert (home / "runs" / key / "results.json").is_file()
+    rows = sql(query, catalog=lake(home)).to_pylist()
+    assert [r["trained_step"] for r in rows] == [1, 2] and all(r["samples"] == 16 for r in rows)
