@@ -108,7 +108,7 @@ _TABLE_PROPERTIES = {
     "write.metadata.delete-after-commit.enabled": "true",
     "write.metadata.previous-versions-max": "5",
     # merge small manifests once 20 pile up: each streamed commit adds one, and every later commit
-    # and scan reads them all (bench/lake.py --settings 20 20/nomerge: flat ~45 ms instead of 36 → 65 ms over 500)
+    # and scan reads them all (500 commits, expiry every 20: last 50 at 61 ms with merging, 81 ms without)
     "commit.manifest-merge.enabled": "true",
     "commit.manifest.min-count-to-merge": "20",
 }
