@@ -24,12 +24,15 @@ class EnvSandbox:
         self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     async def pool(self) -> SandboxPool:
-        if self._sandbox is None:
-            self._sandbox = await asyncio.to_thread(make_sandbox, self.backend, self.image, self.limits)
         loop = asyncio.get_running_loop()
-        if loop not in self._pools:
-            self._pools[loop] = await SandboxPool(self._sandbox, self.concurrency, self.limits).start()
-        return self._pools[loop]
+        pool = self._pools.get(loop)
+        if pool is None:
+            # no await until the pool is stored: concurrent first episodes share one sandbox and pool
+            if self._sandbox is None:
+                self._sandbox = make_sandbox(self.backend, self.image, self.limits)
+            pool = self._pools[loop] = SandboxPool(self._sandbox, self.concurrency, self.limits)
+            await pool.start()
+        return pool
 
     async def run(self, program: Program, limits: Limits | None = None) -> Result:
         return await (await self.pool()).run(program, limits)
