@@ -209,7 +209,7 @@ def test_a_run_killed_with_sigkill_is_relaunched_from_its_last_checkpoint(dagste
     assert materialization["metadata"]["mlflow_run_id"] == mlflow[key].info.run_id
 
 
-def test_main_materializes_the_asset_graph_in_process(policy, tmp_path):
+def test_main_materializes_the_asset_graph_in_process(policy, tmp_path, monkeypatch):
     """`make main`'s command on a tiny recipe: main_job in-process on the embedded instance, then
     the summary and where to look (Dagster UI, MLflow UI, a SQL query that works)."""
     import subprocess
@@ -230,6 +230,7 @@ def test_main_materializes_the_asset_graph_in_process(policy, tmp_path):
 
     import dagster as dg
 
+    monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster"))  # dagster.yaml's storage reads it
     with dg.DagsterInstance.from_config(str(home / "dagster")) as instance:
         (run,) = instance.get_runs()
         assert run.job_name == "main_job" and run.status == dg.DagsterRunStatus.SUCCESS
