@@ -9,8 +9,9 @@ What the candidate can and cannot do to its score: it runs as an untrusted progr
 (no network, no host files, bounded time, memory and processes). Its own output goes to /dev/null;
 the harness reports on a duplicated descriptor, each line tagged with a nonce the host sends on
 stdin, so printing "pass" or exiting early earns nothing. Code that deliberately introspects the
-harness in its own interpreter could still forge a report: in-process unit tests cannot be made
-tamper-proof, only the sandbox keeps such code away from the host.
+harness in its own interpreter, or returns an object equal to everything, could still pass
+`assert candidate(x) == y`: in-process unit tests cannot be made tamper-proof; the sandbox only
+keeps such code away from the host.
 """
 
 from __future__ import annotations
