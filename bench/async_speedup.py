@@ -19,9 +19,7 @@ over-provisioning by half a step, and both.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -29,6 +27,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from results_file import write_results  # noqa: E402
 
 HEAVY_TAIL = ["environment.latency.fast_s=0.05", "environment.latency.slow_s=1.0",
               "environment.latency.slow_fraction=0.1"]
@@ -115,12 +116,7 @@ def main() -> int:
         print(f"{r['max_staleness']:>3} {name:>27} {r['samples_trained']:>8} {r['train_seconds']:>8.1f} "
               f"{r['samples_per_s']:>10.1f} {r['speedup_vs_first']:>7.2f}x {r['trainer_idle_fraction']:>12.0%} {acc:>9}")
     workload = HEAVY_TAIL + (SCHEDULING_WORKLOAD if args.scheduling else [])
-    out = {"workload": {"latency": workload, "recipe": "recipes/default.yaml"}, "runs": rows,
-           "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {args.out}")
+    write_results(args.out, {"workload": {"latency": workload, "recipe": "recipes/default.yaml"}, "runs": rows})
     return 0
 
 

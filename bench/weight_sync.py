@@ -21,9 +21,7 @@ under that regime. Writes bench/results/weight_sync.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -35,6 +33,9 @@ import ray
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from results_file import write_results  # noqa: E402
 
 
 @ray.remote(num_cpus=0)
@@ -211,13 +212,8 @@ def main() -> int:
         paused = "" if r["paused_share"] is None else f"{r['paused_share']:.1%}"
         print(f"{r['method']:>24} {r['sync_s_mean'] * 1000:>8.1f} {r['vs_raw_gloo']:>5.1f}x {paused:>7} "
               f"{'' if tps is None else f'{tps:.0f}':>7}")
-    out = {"rows": rows, "generation_tokens_per_s_without_sync": baseline, "plan_bytes": total_bytes,
-           "settings": vars(args),
-           "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {args.out}")
+    write_results(args.out, {"rows": rows, "generation_tokens_per_s_without_sync": baseline,
+                             "plan_bytes": total_bytes, "settings": vars(args)})
     return 0
 
 
