@@ -11,7 +11,7 @@ def local_ray(num_cpus: int = 8):
     """Start (and afterwards stop) Ray for one run; logical CPUs only gate actor placement."""
     import ray
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # inherited by raylet, GCS and workers
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -24,6 +24,11 @@ def local_ray(num_cpus: int = 8):
         if address:
             ray.init(address=address, log_to_driver=True)
         else:
+            # Ray reads that variable once, at `import ray` (usually before this runs): without
+            # this, it binds to the machine's address instead of loopback (seen: 192.0.2.2)
+            from ray._private import ray_constants
+
+            ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false")
             ray.init(
                 address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                 log_to_driver=True, configure_logging=True, logging_level="WARNING",
