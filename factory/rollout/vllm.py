@@ -11,11 +11,12 @@ What happens to requests in flight at a weight update is the recipe's `rollout.p
   budget. The old tokens keep the old version and logprobs; the new ones carry the new version.
 - `inflight`: `POST /pause?mode=keep` freezes running requests with their KV cache, the weights are
   swapped underneath, the server is told the new version label, and `/resume` lets them continue.
-  Requests then go through vLLM's token endpoint `/inference/v1/generate`, which reports which
-  output tokens each weight version sampled, so per-token versions are exact. Two costs: one HTTP
-  request per prompt (no coalescing), and the prefix cache can only be reset when no request
-  holds blocks — when it cannot, new prompts may reuse KV computed by older weights (the same
-  kind of staleness the kept KV of running requests has by design). Recorded logprobs are always
+  Requests then go through vLLM's token endpoint, which reports which output tokens each weight
+  version sampled, so per-token versions are exact; coalesced prompts share one HTTP request via
+  its batch form `/factory/v1/generate_batch`, a route our servers add (vllm_site/). One cost:
+  the prefix cache can only be reset when no request holds blocks — when it cannot, new prompts
+  may reuse KV computed by older weights (the same kind of staleness the kept KV of running
+  requests has by design). Recorded logprobs are always
   the ones the sampler used. `weightsync/prefix_reset_skipped` counts those updates.
 """
 
@@ -228,8 +229,6 @@ class VLLMEngine:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Generation:
         """Queue one prompt; prompts with equal sampling parameters that arrive within
         `coalesce_ms` travel to the server as one multi-prompt request (see `_flush`)."""
-        if self.partial == "inflight":
-            return await self._generate_versioned(prompt_ids, sampling, request_id)
         key = (sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
                tuple(sampling.stop_token_ids), sampling.seed, sampling.min_new_tokens, sampling.support_k)
         future = asyncio.get_running_loop().create_future()
@@ -249,11 +248,14 @@ class VLLMEngine:
             task.add_done_callback(self._flushing.discard)
 
     async def _flush(self, key, batch) -> None:
-        """One /v1/completions call for many prompts.
+        """One HTTP call for many prompts: /v1/completions, or in inflight mode the token endpoint's
+        batch form (`/factory/v1/generate_batch`, which reports per-token weight versions).
 
         Why: the vLLM API server spends ~10 ms of CPU per HTTP request; for short episodes that,
         not the model, bounds throughput (64 separate requests ~1 s, one request of 64 ~0.13 s here).
         """
+        if self.partial == "inflight":
+            return await self._flush_versioned(batch)
         max_new_tokens, temperature, top_p, top_k, stop_ids, seed, min_new_tokens, support_k = key
         body = {
             "model": self.model, "prompt": [p for p, *_ in batch], "max_tokens": max_new_tokens,
@@ -330,41 +332,58 @@ class VLLMEngine:
             future.set_result(Generation(list(ids) + tail.token_ids, list(lps) + tail.logprobs, versions,
                                          tail.finish_reason, len(prompt_ids), joined))
 
-    async def _generate_versioned(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Generation:
-        """One prompt through `/inference/v1/generate` (inflight mode): the server labels which output
-        tokens each weight version sampled, so a request that lives through updates is recorded exactly."""
-        params = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                  "top_p": sampling.top_p, "top_k": sampling.top_k, "logprobs": 0, "skip_special_tokens": False}
-        if sampling.stop_token_ids:
-            params["stop_token_ids"] = list(sampling.stop_token_ids)
-        if sampling.min_new_tokens:
-            params["min_tokens"] = sampling.min_new_tokens
-        if sampling.seed is not None:
-            params["seed"] = sampling.seed
-        if sampling.support_k:
-            params["logprobs"] = sampling.support_k
-        self._engine_ids[request_id] = request_id
+    async def _flush_versioned(self, batch) -> None:
+        """Inflight mode: the prompts through `/factory/v1/generate_batch`, each a separate engine
+        request whose output tokens the server labels with the weight version that sampled them, so
+        a request that lives through updates is recorded exactly. No gate: at an update the server
+        itself holds running requests (pause with KV kept) and queues new ones until /resume."""
+        self._batches += 1
+        requests = []
+        for prompt_ids, request_id, _, sampling in batch:
+            params = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                      "top_p": sampling.top_p, "top_k": sampling.top_k, "logprobs": sampling.support_k or 0,
+                      "skip_special_tokens": False}
+            if sampling.stop_token_ids:
+                params["stop_token_ids"] = list(sampling.stop_token_ids)
+            if sampling.min_new_tokens:
+                params["min_tokens"] = sampling.min_new_tokens
+            if sampling.seed is not None:
+                params["seed"] = sampling.seed
+            requests.append({"request_id": request_id, "token_ids": list(prompt_ids), "sampling_params": params,
+                             "model": self.model})
+            self._engine_ids[request_id] = f"generate-tokens-{request_id}"
         try:
-            resp = await self.client.post("/inference/v1/generate", json={
-                "request_id": request_id, "token_ids": list(prompt_ids), "sampling_params": params,
-                "model": self.model})
+            resp = await self.client.post("/factory/v1/generate_batch", json={"requests": requests})
             resp.raise_for_status()
+            choices = resp.json()["choices"]
+        except Exception as err:
+            choices = [{"error": f"{type(err).__name__}: {err}"}] * len(batch)
         finally:
-            self._engine_ids.pop(request_id, None)
-        choice = resp.json()["choices"][0]
+            for _, request_id, *_ in batch:
+                self._engine_ids.pop(request_id, None)
+        for (prompt_ids, request_id, future, sampling), choice in zip(batch, choices):
+            if future.done():
+                continue
+            if "error" in choice:
+                future.set_exception(RuntimeError(f"vLLM token endpoint: {choice['error']}"))
+                continue
+            future.set_result(self._versioned_generation(choice, len(prompt_ids), sampling.support_k))
+
+    def _versioned_generation(self, choice: dict, prompt_len: int, support_k: int) -> Generation:
+        """A token-endpoint choice as a Generation, versions from its `weight_versions` spans."""
         ids = choice.get("token_ids") or []
         content = (choice.get("logprobs") or {}).get("content") or []
         lps = [float(c["logprob"]) for c in content]
         support = None
-        if sampling.support_k:
-            support = [support_from([(t["token_id"], t["logprob"]) for t in c.get("top_logprobs") or []],
-                                    sampling.support_k) for c in content]
+        if support_k:
+            support = [support_from([(t["token_id"], t["logprob"]) for t in c.get("top_logprobs") or []], support_k)
+                       for c in content]
         versions = spans_to_versions(choice.get("weight_versions"), len(ids), self.version)
         if len(set(versions)) > 1:
             self.stats["mixed_version"] += 1
         self.stats["requests"] += 1
         self.stats["tokens"] += len(ids)
-        return Generation(ids, lps, versions, choice.get("finish_reason") or "stop", len(prompt_ids), support)
+        return Generation(ids, lps, versions, choice.get("finish_reason") or "stop", prompt_len, support)
 
     async def abort(self, request_id: str) -> None:
         # bare ids abort nothing: the engine needs its own id for the prompt (see _flush)

@@ -103,6 +103,9 @@ def test_partial_rollouts_carry_exact_per_token_versions(engine_back_to_wait, po
         if sampled[0] != sampled[-1]:
             mixed.append(r)
     assert mixed, f"no sample of {len(rows)} spans a weight update"
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    sent = {k: steps[-1][f"rollout/engine_{k}"] - steps[0][f"rollout/engine_{k}"] for k in ("requests", "http_batches")}
+    assert 0 < sent["http_batches"] < sent["requests"], f"prompts were not coalesced into HTTP requests: {sent}"
 
     from transformers import AutoTokenizer
 

@@ -6,27 +6,52 @@ py-spy showed ~70% of the worker's and ~80% of the engine core's CPU in that spi
 env workers and the trainer need. A sleeping reader can miss a wake-up (vLLM says so and
 re-checks every 5 s: that stalled weight updates by ~5 s here), so it re-checks every 10 ms.
 Patched when the module is first imported, in each process.
+
+It also adds one route to the API server, `/factory/v1/generate_batch` (factory_routes.py): the
+token endpoint for many prompts in one HTTP request, for inflight partial rollouts.
 """
 
 import importlib.abc
 import importlib.util
 import sys
 
-_TARGET = "vllm.distributed.device_communicators.shm_broadcast"
 
-
-def _patch(module) -> None:
+def _patch_spin(module) -> None:
     init = module.SpinCondition.__init__
     if init.__defaults__ and init.__defaults__[-1] != 0:
         init.__defaults__ = init.__defaults__[:-1] + (0,)  # busy_loop_s = 0
     module.SHM_READER_RECHECK_INTERVAL_MS = 10  # a missed notify costs 10 ms, not 5 s
 
 
+def _patch_routes(module) -> None:
+    attach = module.attach_router
+
+    def attach_router(app):
+        attach(app)
+        import factory_routes
+
+        factory_routes.attach(app)
+
+    module.attach_router = attach_router
+
+
+_PATCHES = {
+    "vllm.distributed.device_communicators.shm_broadcast": _patch_spin,
+    "vllm.entrypoints.scale_out.token_in_token_out.api_router": _patch_routes,
+}
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self):
+        self.pending = dict(_PATCHES)
+
     def find_spec(self, name, path=None, target=None):
-        if name != _TARGET:
+        patch = self.pending.pop(name, None)
+        if patch is None:
             return None
-        sys.meta_path.remove(self)  # find the real module once, then wrap its loader
+        if not self.pending:
+            sys.meta_path.remove(self)
+        # find the real module (this finder skips a name once it has been popped), then wrap its loader
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return None
@@ -34,7 +59,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
         def exec_module(module):
             real_exec(module)
-            _patch(module)
+            patch(module)
 
         spec.loader.exec_module = exec_module
         return spec

@@ -1,0 +1,35 @@
+"""The token endpoint's batch form our vLLM servers add (`/factory/v1/generate_batch`), live."""
+
+from __future__ import annotations
+
+import httpx
+import ray
+
+
+def token_request(request_id: str, prompt: list[int], **params) -> dict:
+    sampling = {"max_tokens": 6, "temperature": 0.0, "logprobs": 0, "skip_special_tokens": False, **params}
+    return {"request_id": request_id, "token_ids": prompt, "sampling_params": sampling}
+
+
+def test_batch_route_answers_like_the_token_endpoint_in_order(engine, policy):
+    from transformers import AutoTokenizer
+
+    from factory.model.tokens import encode_chat
+
+    url = ray.get(engine.url.remote())
+    tok = AutoTokenizer.from_pretrained(policy)
+    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in ("1 + 2 = ?", "40 + 5 = ?", "7 + 70 = ?")]
+    one_by_one = [httpx.post(f"{url}/inference/v1/generate", json=token_request(f"single-{i}", p), timeout=60).json()
+                  ["choices"][0] for i, p in enumerate(prompts)]
+    batch = [token_request(f"batch-{i}", p) for i, p in enumerate(prompts)]
+    batch.insert(1, token_request("bad", [], max_tokens=-3))  # one bad request fails alone
+    resp = httpx.post(f"{url}/factory/v1/generate_batch", json={"requests": batch}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    choices = resp.json()["choices"]
+    assert len(choices) == 4 and "error" in choices[1]
+    del choices[1]
+    for single, batched in zip(one_by_one, choices):
+        assert batched["token_ids"] == single["token_ids"] and len(batched["token_ids"]) > 0  # greedy: equal
+        assert [c["logprob"] for c in batched["logprobs"]["content"]] == \
+               [c["logprob"] for c in single["logprobs"]["content"]]
+        assert batched["weight_versions"], "no per-token version spans in the batch answer"
