@@ -148,12 +148,14 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         phase("training")
         producing = [w.produce.remote() for w in workers]
         t_train = time.perf_counter()
-        wait_s = sync_s = 0.0
+        wait_s = sync_s = fill_s = 0.0
         samples_done = 0
         for step in range(version + 1, recipe.train.steps + 1):
             t0 = time.perf_counter()
             batch = ray.get(buffer.get_batch.remote())
             wait_s += time.perf_counter() - t0
+            if step == version + 1:  # the pipeline fill: nothing to train on until the first batch
+                fill_s = wait_s
             scored = {}
             if scorer is not None:
                 t_score = time.perf_counter()
@@ -202,6 +204,8 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         "samples_trained": samples_done,
         "train_seconds": train_s,
         "trainer_idle_fraction": wait_s / max(train_s, 1e-9),
+        "first_batch_wait_seconds": fill_s,
+        "trainer_idle_fraction_after_first_batch": (wait_s - fill_s) / max(train_s - fill_s, 1e-9),
         "weight_sync_seconds": sync_s,
         "total_seconds": time.time() - t_start,
     })
