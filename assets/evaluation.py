@@ -73,6 +73,7 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake
         tracker.run_id = mlflow_run  # log beside the run's own metrics, without reopening it
         tracker.log_metrics(step, {f"eval/{config.suite}_mean": result["mean"],
                                    f"eval/{config.suite}_stderr": result["stderr"]})
+        tracker.flush()
     return dg.MaterializeResult(metadata={
         "accuracy": result["mean"], "stderr": result["stderr"], "n": result["n"], "suite": config.suite,
         "step": step, "checkpoint": dg.MetadataValue.path(str(checkpoint)),

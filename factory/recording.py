@@ -106,7 +106,10 @@ class RunRecorder:
             except Exception:  # the original error matters more than a failed last flush
                 pass
         if self.tracker is not None:
-            self.tracker.end("FAILED")
+            try:
+                self.tracker.end("FAILED")
+            except Exception:  # as above: a metric that failed to store must not hide the crash
+                pass
 
     def finish(self, results: dict[str, Any], status: str = "FINISHED") -> None:
         (self.dir / "results.json").write_text(json.dumps(results, indent=2))
