@@ -9,6 +9,8 @@ from typing import Any
 
 from factory.types import Batch
 
+LAKE_BATCH_ROWS = 8192  # a table this far behind commits at once, whatever its interval
+
 
 def checkpoint_version(checkpoint: Path) -> int:
     """The policy version (= optimizer steps taken) a checkpoint holds: a resumed run trains from version + 1."""
@@ -40,7 +42,9 @@ class RunRecorder:
             from factory.lake.writer import TrajectoryWriter
 
             catalog = open_catalog(recipe.lake.catalog or None, namespace=recipe.lake.namespace)
-            self.lake = TrajectoryWriter(catalog, recipe.lake.namespace, run_id=self.run_id)
+            # commits by time, not by a step's worth of rows: one per table every few seconds
+            self.lake = TrajectoryWriter(catalog, recipe.lake.namespace, run_id=self.run_id, batch_rows=LAKE_BATCH_ROWS,
+                                         flush_interval_s=recipe.lake.commit_interval_s)
             self.rewound = self.lake.rewind(start)  # {table: rows deleted}; empty for a new run
             if resume_from is not None:  # its row may not have been committed before the crash
                 self.log_checkpoint(start, start, Path(resume_from))
