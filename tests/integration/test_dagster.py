@@ -148,8 +148,9 @@ def descends_from(pid: int, ancestor: int) -> bool:
 
 def test_a_run_killed_with_sigkill_is_relaunched_from_its_last_checkpoint(dagster, policy):
     steps = 20
+    # lake commits every 0.5 s (not the default 5 s), so rows past a checkpoint reach the lake before the kill
     run_overrides = overrides(policy, f"train.steps={steps}", "train.checkpoint_every=4", "eval.before=false",
-                              "eval.after=false", "train.max_restarts=1")
+                              "eval.after=false", "train.max_restarts=1", "lake.commit_interval_s=0.5")
     sweep = launch_sweep(dagster, run_overrides, [])
     catalog = lake(dagster.home)
 
