@@ -104,6 +104,9 @@ class VLLMServer:
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the trainer, don't pin
             "OMP_NUM_THREADS": str(threads),
             "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /reset_prefix_cache
+            # idle connections outlive the client's keep-alive (30 s): with both at 5 s, the server
+            # closed a connection as the client reused it (httpx.ReadError mid-evaluation, seen in CI)
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "3600",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
@@ -210,7 +213,7 @@ class VLLMEngine:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+            limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=30)
             self._client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600, connect=10), limits=limits)
         return self._client
 
