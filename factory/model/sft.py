@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 import time
@@ -128,7 +129,9 @@ def ensure_base_policy(recipe, progress=None) -> Path:
     from factory.envs.base import make_environment
     from factory.model.tiny import build_model, build_tokenizer
 
-    tmp = out.with_name(out.name + ".tmp")
+    # a build dir of this process's own: two runs of one recipe started together (a sweep, a test
+    # beside a run) each build, and the first to finish publishes (seen: a shared dir got mixed files)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     t0 = time.time()
@@ -150,6 +153,8 @@ def ensure_base_policy(recipe, progress=None) -> Path:
         "seconds": time.time() - t0,
     }
     (tmp / "sft.json").write_text(json.dumps(meta))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)  # atomic publish: a crash mid-build never leaves a half-made cached policy
+    try:
+        tmp.rename(out)  # atomic publish: a crash mid-build never leaves a half-made cached policy
+    except OSError:  # another process published the same policy first (the same recipe, the same result)
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
