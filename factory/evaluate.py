@@ -14,8 +14,10 @@ import ray
 
 from factory.data.tasks import ReasoningGymSource
 from factory.recipe import Recipe
-from factory.runtime.actors import EngineActor, EnvWorkerActor
+from factory.runtime.actors import EngineActor, EnvWorkerActor, placed
 from factory.runtime.cluster import local_ray
+from factory.runtime.transfer import DirBundle
+from factory.runtime.weights import load_bundle
 
 SUITES = ("heldout", "train")
 
@@ -56,16 +58,18 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "he
         raise FileNotFoundError(f"{checkpoint}: not a model directory (no config.json)")
     tasks = suite_tasks(recipe, suite, n)
     with local_ray(), tempfile.TemporaryDirectory(prefix="factory-eval-") as tmp:
+        model = ray.put(DirBundle.of(checkpoint, exclude=("trainer.pt",)))  # to whichever nodes serve it
         own = engines is None
         if own:
-            engines = [EngineActor.remote(recipe.rollout.engine, str(checkpoint), recipe.rollout,
-                                          str(Path(tmp) / "engine.log"))]
+            engines = [placed(EngineActor, recipe.placement.engine).remote(
+                recipe.rollout.engine, model, recipe.rollout, str(Path(tmp) / "engine.log"))]
             ray.get([e.start.remote() for e in engines])
         else:
             ray.get([e.begin_update.remote() for e in engines])
-            ray.get([e.load_from_disk.remote(str(checkpoint)) for e in engines])
+            load_bundle(engines, model, "disk")
             ray.get([e.end_update.remote(-1) for e in engines])  # -1: not a version of any run
-        worker = EnvWorkerActor.remote(str(checkpoint), recipe.environment, recipe.rollout, engines, None)
+        worker = placed(EnvWorkerActor, recipe.placement.env_worker).remote(model, recipe.environment, recipe.rollout,
+                                                                             engines, None)
         try:
             ray.get(worker.start.remote())
             return evaluate_workers([worker], tasks, recipe, f"eval-{suite}")

@@ -107,9 +107,24 @@ class EnvironmentSection(Section):
     sandbox: SandboxSection = Field(default_factory=SandboxSection)
 
 
+def _engine_names() -> list[str]:
+    from factory.rollout.engines import ENGINES
+
+    return ENGINES.names()
+
+
 class RolloutSection(Section):
-    engine: Literal["vllm", "hf", "sglang"] = "vllm"
-    num_engines: int = Field(1, gt=0)
+    engine: str = Field("vllm", description="a registered rollout engine (factory/rollout/engines.py)",
+                        json_schema_extra={"enum": _engine_names()})
+    num_engines: int = Field(1, gt=0, description="engines to start (with `urls`: one per URL)")
+    urls: list[str] = Field(
+        default_factory=list, description="attach to these running engines (e.g. `factory serve`) instead of "
+        "starting any; the run syncs its weights into them and leaves them running")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where started engines serve: auto = cuda when the engine's node has a GPU")
+    sync_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="weight_sync=broadcast: the collective; auto = nccl when the trainer is on cuda, "
+        "else gloo (nccl is untested here: no GPU)")
     group_size: int = Field(8, gt=1, description="G completions per prompt")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -136,6 +151,14 @@ class RolloutSection(Section):
         "them and continue prompt + tokens so far under the new weights; inflight = pause with the KV cache "
         "kept, swap weights, resume (vllm only for the last two)")
     startup_timeout_s: float = Field(300, gt=0)
+
+    @field_validator("urls")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"expected http(s)://HOST:PORT addresses of running engines, got {bad}")
+        return [u.rstrip("/") for u in urls]
 
 
 class OffPolicyCorrection(Section):
@@ -285,6 +308,9 @@ class TrainSection(Section):
                               "(Dagster's rl_run_recovery sensor)")
     lora: LoraSection = Field(default_factory=LoraSection)
     threads: int = Field(1, gt=0)
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the trainer's weights, activations and optimizer live: auto = cuda when the "
+        "trainer's node has a GPU (cuda is untested here: no GPU)")
     seed: int = 0
 
 
@@ -310,6 +336,29 @@ class TrackingSection(Section):
     experiment: str = "factory"
 
 
+Resources = dict[str, float]
+
+
+class PlacementSection(Section):
+    """Where each role of a run goes on a Ray cluster (`RAY_ADDRESS`), as the Ray resources its actors ask
+    for: custom resources a node was started with (`ray start --resources '{"rollout": 1}'`), `node:<ip>`,
+    or CPU / GPU. Empty: anywhere (a local Ray has one node). The driver runs where it is launched."""
+
+    trainer: Resources = Field(default_factory=dict, description="the trainer actor, e.g. {trainer: 1, GPU: 1}")
+    buffer: Resources = Field(default_factory=dict, description="the staleness buffer and task sampler")
+    engine: Resources = Field(default_factory=dict, description="each rollout engine, e.g. {rollout: 1}")
+    env_worker: Resources = Field(default_factory=dict, description="each env worker (hosts a gateway)")
+    scorer: Resources = Field(default_factory=dict, description="the scoring phase's model, if any")
+
+    @field_validator("trainer", "buffer", "engine", "env_worker", "scorer")
+    @classmethod
+    def _positive(cls, resources: Resources) -> Resources:
+        bad = {k: v for k, v in resources.items() if v <= 0}
+        if bad:
+            raise ValueError(f"resource amounts must be > 0, got {bad}")
+        return resources
+
+
 class Recipe(Section):
     name: str = "default"
     model: ModelSection = Field(default_factory=ModelSection)
@@ -322,6 +371,7 @@ class Recipe(Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     lake: LakeSection = Field(default_factory=LakeSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
+    placement: PlacementSection = Field(default_factory=PlacementSection)
     sweep: dict[str, list[Any]] = Field(
         default_factory=dict, description="dotted field path -> values; the grid is their product"
     )
@@ -339,6 +389,17 @@ class Recipe(Section):
         for path, value, registry in checks:
             if value not in registry:
                 raise ValueError(f"{path}: unknown {value!r}; choose one of {sorted(registry)}")
+        from factory.rollout.engines import ENGINES
+
+        if self.rollout.engine not in ENGINES:
+            raise ValueError(f"rollout.engine: unknown {self.rollout.engine!r}; choose one of {ENGINES.names()}")
+        problems = ENGINES.get(self.rollout.engine).problems(self.rollout, self.train.lora.enabled)
+        if problems:
+            raise ValueError(problems[0])
+        urls = self.rollout.urls
+        if urls and "num_engines" in self.rollout.model_fields_set and self.rollout.num_engines != len(urls):
+            raise ValueError(f"rollout.num_engines: {self.rollout.num_engines} engines but {len(urls)} urls; "
+                             "leave num_engines unset with urls (one engine per URL)")
         if (self.rollout.weight_sync == "lora") != self.train.lora.enabled:
             raise ValueError("rollout.weight_sync: use 'lora' exactly when train.lora.enabled is true "
                              f"(got weight_sync={self.rollout.weight_sync!r}, lora.enabled={self.train.lora.enabled})")

@@ -25,57 +25,18 @@ from factory.evaluate import evaluate_workers
 from factory.model.sft import ensure_base_policy
 from factory.recipe import Recipe
 from factory.recording import RunRecorder
-from factory.runtime.actors import BufferActor, EngineActor, EnvWorkerActor, ScorerActor, TrainerActor
-from factory.runtime.cluster import local_ray
-from factory.types import Batch
+from factory.runtime.actors import BufferActor, EngineActor, EnvWorkerActor, ScorerActor, TrainerActor, placed
+from factory.runtime.cluster import check_placement, local_ray
+from factory.runtime.transfer import DirBundle, node_ip
+from factory.runtime.weights import connect_broadcast, engine_metrics, publish_weights
+
+__all__ = ["StepReport", "connect_broadcast", "engine_metrics", "publish_weights", "run"]
 
 
 @dataclass
 class StepReport:
     step: int
     metrics: dict[str, float]
-
-
-def publish_weights(engines, trainer, version: int, mode: str, scratch: Path) -> dict[str, float]:
-    """Drain the engines, move the trainer's weights into them, and open them at `version`.
-
-    Returns the seconds of each phase under `weightsync/…` names."""
-    t0 = time.perf_counter()
-    ray.get([e.begin_update.remote() for e in engines])
-    t1 = time.perf_counter()
-    if mode == "broadcast":
-        ray.get([trainer.broadcast.remote()] + [e.receive_broadcast.remote() for e in engines])
-    elif mode == "lora":  # the adapter alone, loaded in place
-        path = ray.get(trainer.save_adapter.remote(str(scratch / "adapter")))
-        ray.get([e.load_lora.remote(path) for e in engines])
-    else:
-        path = ray.get(trainer.save_hf.remote(str(scratch)))
-        ray.get([e.load_from_disk.remote(path) for e in engines])
-    t2 = time.perf_counter()
-    ray.get([e.end_update.remote(version) for e in engines])
-    t3 = time.perf_counter()
-    return {"weightsync/seconds": t3 - t0, "weightsync/drain_s": t1 - t0, "weightsync/transfer_s": t2 - t1,
-            "weightsync/reopen_s": t3 - t2}
-
-
-def engine_metrics(engines) -> dict[str, float]:
-    """The engines' counters, summed over engines (versions: the lowest)."""
-    out: dict[str, float] = {}
-    for m in ray.get([e.metrics.remote() for e in engines]):
-        for k, v in m.items():
-            out[k] = min(out.get(k, v), v) if k.endswith("_version") else out.get(k, 0.0) + v
-    return out
-
-
-def connect_broadcast(engines, trainer) -> None:
-    """Rendezvous the trainer (rank 0) with every engine's in-worker receiver over gloo."""
-    from factory.rollout.vllm import free_port
-
-    port = free_port()
-    plan = ray.get(trainer.plan_json.remote())
-    world = len(engines) + 1
-    ray.get([trainer.init_broadcast.remote("127.0.0.1", port, world)]
-            + [e.init_broadcast.remote("127.0.0.1", port, i + 1, world, plan) for i, e in enumerate(engines)])
 
 
 def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | None = None,
@@ -109,37 +70,49 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
 
     with local_ray():
         phase("starting engines, trainer, buffer, env workers")
+        where = recipe.placement
+        check_placement(where, engines=recipe.rollout.num_engines if engines is None else 0,
+                        env_workers=recipe.environment.workers, scorer=bool(recipe.algorithm.distill.teacher))
+        # every role gets the policy over the network: no node may assume another's disk
+        policy_ref = ray.put(DirBundle.of(policy, "policy", exclude=("trainer.pt",)))
         own_engines = engines is None
         if own_engines:
             lora_rank = recipe.train.lora.rank if recipe.train.lora.enabled else 0
-            engines = [EngineActor.remote(recipe.rollout.engine, str(policy), recipe.rollout,
-                                          str(run_dir / f"engine-{i}.log"), lora_rank)
-                       for i in range(recipe.rollout.num_engines)]
-        trainer = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
+            urls = recipe.rollout.urls or [None] * recipe.rollout.num_engines
+            engines = [placed(EngineActor, where.engine).remote(recipe.rollout.engine, policy_ref, recipe.rollout,
+                                                                str(run_dir / f"engine-{i}.log"), lora_rank, url)
+                       for i, url in enumerate(urls)]
+        trainer = placed(TrainerActor, where.trainer).remote(policy_ref, recipe.algorithm, recipe.train, recipe.rollout)
         # the scoring phase: a teacher grading every trained token (on-policy distillation), if any
-        scorer = ScorerActor.remote(recipe.algorithm.distill, recipe.rollout) if recipe.algorithm.distill.teacher else None
-        buffer = BufferActor.remote(recipe.name, source.train, recipe.train.groups_per_step,
-                                    recipe.async_.max_staleness, recipe.async_.max_inflight_groups,
-                                    recipe.algorithm.filter_zero_variance, recipe.train.seed,
-                                    recipe.async_.overprovision, recipe.async_.schedule, recipe.async_.lookahead)
+        scorer = (placed(ScorerActor, where.scorer).remote(recipe.algorithm.distill, recipe.rollout)
+                  if recipe.algorithm.distill.teacher else None)
+        buffer = placed(BufferActor, where.buffer).remote(
+            recipe.name, source.train, recipe.train.groups_per_step, recipe.async_.max_staleness,
+            recipe.async_.max_inflight_groups, recipe.algorithm.filter_zero_variance, recipe.train.seed,
+            recipe.async_.overprovision, recipe.async_.schedule, recipe.async_.lookahead)
         ray.get([e.start.remote() for e in engines])
         if not own_engines:
             ray.get([e.set_partial_rollout.remote(recipe.rollout.partial_rollout) for e in engines])
         version = 0
         if resume_from is not None:
-            state = ray.get(trainer.load_checkpoint.remote(str(resume_from)))
+            state = ray.get(trainer.load_checkpoint.remote(DirBundle.of(resume_from)))
             ray.get(buffer.load_state_dict.remote(state["buffer"]))
             version = state["version"]
         if recipe.rollout.weight_sync == "broadcast":
-            connect_broadcast(engines, trainer)
-        if version or not own_engines:  # shared engines may hold another run's weights: send ours
-            publish_weights(engines, trainer, version, recipe.rollout.weight_sync, run_dir / "weights")
+            connect_broadcast(engines, trainer, recipe.rollout.sync_backend)
+        if version or not own_engines or recipe.rollout.urls:  # engines we did not start may hold other weights
+            publish_weights(engines, trainer, version, recipe.rollout.weight_sync)
             ray.get(buffer.set_version.remote(version))
-        workers = [EnvWorkerActor.remote(str(policy), recipe.environment, recipe.rollout, engines, buffer)
+        workers = [placed(EnvWorkerActor, where.env_worker).remote(policy_ref, recipe.environment, recipe.rollout,
+                                                                   engines, buffer)
                    for _ in range(recipe.environment.workers)]
         ray.get([w.start.remote() for w in workers])
+        nodes = {"driver": node_ip(), "trainer": ray.get(trainer.node_ip.remote()),
+                 "buffer": ray.get(buffer.node_ip.remote()),
+                 "engines": ray.get([e.node_ip.remote() for e in engines]),
+                 "env_workers": ray.get([w.node_ip.remote() for w in workers])}
 
-        results: dict = {"run_dir": str(run_dir), "recipe": recipe.name, "policy": str(policy)}
+        results: dict = {"run_dir": str(run_dir), "recipe": recipe.name, "policy": str(policy), "nodes": nodes}
         if recipe.eval.before:
             phase(f"evaluating the starting policy on {len(heldout)} held-out tasks")
             results["before"] = evaluate_workers(workers, heldout, recipe, "before")
@@ -163,7 +136,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
                 scored["perf/score_s"] = time.perf_counter() - t_score
             metrics = ray.get(trainer.train_step.remote(batch))
             metrics.update(scored)
-            sync = publish_weights(engines, trainer, step, recipe.rollout.weight_sync, run_dir / "weights")
+            sync = publish_weights(engines, trainer, step, recipe.rollout.weight_sync)
             sync_s += sync["weightsync/seconds"]
             ray.get(buffer.set_version.remote(step))
             record.log_batch(batch, step)
@@ -182,7 +155,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
                 extra = {"buffer": ray.get(buffer.state_dict.remote()), "step": step}
                 ckpt = run_dir / "checkpoints" / f"step-{step:06d}"
                 record.flush()  # the lake holds every row up to a checkpoint before the checkpoint exists
-                ray.get(trainer.save_checkpoint.remote(str(ckpt), extra))
+                ray.get(trainer.checkpoint.remote(extra)).write(ckpt)  # from the trainer's node to the run dir
                 record.log_checkpoint(step, step, ckpt)
         train_s = time.perf_counter() - t_train
 
@@ -190,6 +163,8 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         ray.get(buffer.stop.remote())
         ray.get([w.stop_producing.remote() for w in workers])
         ray.get(producing)
+        results["engine_requests"] = [m.get("rollout/engine_requests", 0.0)
+                                      for m in ray.get([e.metrics.remote() for e in engines])]
         if recipe.eval.after:
             phase(f"evaluating the trained policy on {len(heldout)} held-out tasks")
             results["after"] = evaluate_workers(workers, heldout, recipe, "after")

@@ -96,7 +96,7 @@ def distillation_advantages(adv, samples: list[Sample], old_logp, mask, coef: fl
     import torch
 
     teacher = torch.zeros_like(old_logp)
-    scored = torch.zeros(old_logp.shape[0], 1)
+    scored = torch.zeros(old_logp.shape[0], 1, device=old_logp.device)
     for i, s in enumerate(samples):
         if s.teacher_logprobs:
             teacher[i, : len(s.teacher_logprobs)] = torch.tensor(s.teacher_logprobs, dtype=old_logp.dtype)

@@ -83,9 +83,9 @@ def completion_logprobs(model, tensors: dict[str, Any], temperature: float = 1.0
     ids = tensors["input_ids"]
     n, t_max = ids.shape[0], tensors["t_max"]
     # token j of the completion sits at position p+j and is predicted by the logits at p+j-1
-    pos = tensors["prompt_lens"][:, None] + torch.arange(t_max)[None, :] - 1
+    pos = tensors["prompt_lens"][:, None] + torch.arange(t_max, device=ids.device)[None, :] - 1
     pos = pos.clamp(max=ids.shape[1] - 2)
-    rows = torch.arange(n)[:, None]
+    rows = torch.arange(n, device=ids.device)[:, None]
     targets = ids[rows, pos + 1]
     step_logits = logits[rows, pos]  # [B, T, V]
     chosen = step_logits.gather(-1, targets[..., None]).squeeze(-1)
@@ -100,12 +100,23 @@ def completion_logprobs(model, tensors: dict[str, Any], temperature: float = 1.0
     return chosen - log_z
 
 
+def to_device(tensors: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
+
+
 class Trainer:
+    """`train.device` decides where the weights, activations and optimizer state live (auto: CUDA when
+    this process sees a GPU). The CPU path is what runs and is tested here; the CUDA path moves the
+    same tensors to the GPU but no machine of this project has one, so it is untested here."""
+
     def __init__(self, model_path: str, algorithm, train, rollout):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from factory.devices import resolve_device
+
         torch.set_num_threads(train.threads)
         torch.manual_seed(train.seed)
+        self.device = torch.device(resolve_device(getattr(train, "device", "auto")))
         self.algorithm = algorithm
         self.train_cfg = train
         self.temperature = rollout.temperature
@@ -120,10 +131,10 @@ class Trainer:
             self.model = get_peft_model(self.model, LoraConfig(
                 r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=list(lc.target_modules),
                 bias="none", task_type="CAUSAL_LM"))
-        self.model.train()
+        self.model.to(self.device).train()
         self.ref_model = None
         if algorithm.kl_coef > 0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device).eval()
             self.ref_model.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=train.lr, weight_decay=train.weight_decay, betas=tuple(train.betas)
@@ -158,7 +169,7 @@ class Trainer:
 
     def shaped_rewards(self, samples: list[Sample], sampled_lens: torch.Tensor) -> torch.Tensor:
         """Rewards plus DAPO's overlong penalty on the sampled length (when algorithm.overlong_buffer > 0)."""
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=sampled_lens.device)
         if self.algorithm.overlong_buffer:
             rewards = rewards + overlong_penalty(sampled_lens, self.max_new_tokens, self.algorithm.overlong_buffer,
                                                  self.algorithm.overlong_penalty)
@@ -167,7 +178,7 @@ class Trainer:
     def train_step(self, batch: Batch) -> dict[str, float]:
         t0 = time.perf_counter()
         samples = batch.samples
-        tensors = pad_samples(samples, self.tokenizer.pad_token_id)
+        tensors = to_device(pad_samples(samples, self.tokenizer.pad_token_id), self.device)
         shaped = self.shaped_rewards(samples, tensors["sampled_lens"])
         adv = self.advantages(batch, shaped)
         if any(s.teacher_logprobs for s in samples):  # graded by a teacher (scoring phase): distillation
@@ -209,7 +220,7 @@ class Trainer:
             "staleness/max": float(max(staleness)),
         })
         if self.algorithm.overlong_buffer:
-            out["rollout/overlong_penalty_mean"] = float((shaped - torch.tensor(rewards)).mean())
+            out["rollout/overlong_penalty_mean"] = float((shaped.cpu() - torch.tensor(rewards)).mean())
         if not math.isfinite(out["train/loss"]):
             raise FloatingPointError(f"non-finite loss at step {self.version}: {out}")
         self.busy_s += time.perf_counter() - t0
@@ -218,8 +229,8 @@ class Trainer:
     @torch.no_grad()
     def logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """The current policy's logprob of every completion token of each sample (tests, scoring)."""
-        tensors = pad_samples(samples, self.tokenizer.pad_token_id)
-        logp = completion_logprobs(self.model, tensors, self.temperature)
+        tensors = to_device(pad_samples(samples, self.tokenizer.pad_token_id), self.device)
+        logp = completion_logprobs(self.model, tensors, self.temperature).cpu()
         return [logp[i, : len(s.completion_ids)].tolist() for i, s in enumerate(samples)]
 
     # ---- weights out -------------------------------------------------------------------------
@@ -280,7 +291,8 @@ class Trainer:
             set_peft_model_state_dict(self.model, load_peft_weights(str(ckpt / "adapter")))
         else:
             self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict())
-        state = torch.load(ckpt / "trainer.pt", weights_only=False)
+            self.model.to(self.device)
+        state = torch.load(ckpt / "trainer.pt", weights_only=False, map_location=self.device)
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = state["version"]
         return json.loads((ckpt / "state.json").read_text())

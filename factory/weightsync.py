@@ -4,8 +4,9 @@ Two paths share one layout (`BucketPlan`):
 
 * **broadcast** — the trainer (rank 0) broadcasts the weights in packed buckets over a
   torch.distributed process group to a receiver running *inside* each vLLM worker (ranks 1..N).
-  gloo on CPU (tested here); NCCL when CUDA is there (same code with `backend="nccl"` and CUDA
-  tensors — not runnable on these CPU-only machines, so untested here).
+  gloo on CPU (tested here, on one node and across two); NCCL when CUDA is there (the same code with
+  `backend="nccl"` and CUDA tensors — not runnable on these CPU-only machines, so untested here).
+  The rendezvous store listens on the trainer's own node address; each rank binds its own.
 * **disk** — the trainer saves safetensors and the engine reloads them from the path.
 
 The receiver is a vLLM worker extension (`--worker-extension-cls
@@ -13,7 +14,7 @@ factory.weightsync.WeightReceiverExtension`); its methods are called through vLL
 `POST /collective_rpc`, whose arguments must be strings, hence the JSON plans.
 
 Why a private process group: the vLLM worker already owns a default torch.distributed group,
-so both ends build their own gloo group from a TCPStore hosted by the trainer.
+so both ends build their own group from a TCPStore hosted by the trainer.
 Why `model_runner.reload_weights`: on CPU, vLLM pre-packs linear weights, and the plain
 `model.load_weights` leaves the model half-updated; reload re-packs them.
 """
@@ -88,53 +89,127 @@ def unpack_bucket(plan: BucketPlan, i: int, flat: torch.Tensor) -> Iterator[tupl
         offset += n
 
 
-def make_gloo_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 120.0):
-    """A private gloo process group on loopback; rank 0 hosts the rendezvous store."""
+def open_rendezvous(host: str, world_size: int, timeout_s: float = 120.0):
+    """Rank 0's rendezvous store, listening on `host` only (this node's own address), on a free port.
+
+    Why our own socket: a TCPStore that binds itself listens on every interface (`*:<port>`); handed a
+    bound, listening socket it serves on exactly that address. Returns (store, port)."""
+    import socket
+
     import torch.distributed as dist
 
-    store = dist.TCPStore(
-        host, port, world_size, is_master=(rank == 0), timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(world_size * 4)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=sock.detach())
+    return store, port
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that carries `address` on this node (NCCL picks interfaces by name)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
+
+
+def make_weight_group(host: str, port: int, rank: int, world_size: int, *, local_host: str = "127.0.0.1",
+                      backend: str = "gloo", store=None, timeout_s: float = 120.0):
+    """A private process group for weight sync; rank 0 hosts the store (`open_rendezvous`), the others
+    connect to `host:port`. `local_host` is this rank's own address: gloo binds its pairs there.
+
+    backend "gloo" (CPU tensors; tested here, on loopback and across two nodes) or "nccl" (CUDA
+    tensors; NCCL_SOCKET_IFNAME is set to the interface of `local_host`). The NCCL path builds the
+    same group and moves the same buckets, but no machine of this project has a GPU: untested here."""
+    import os
+
+    import torch.distributed as dist
+
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"rollout.sync_backend: unknown {backend!r}; choose gloo or nccl")
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
     prefixed = dist.PrefixStore("factory-weights", store)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timedelta(seconds=timeout_s)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    group = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+    elif backend == "nccl":
+        iface = interface_of(local_host)
+        if iface and local_host not in ("127.0.0.1", "::1"):
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
     return group, store  # the store must outlive the group
 
 
-class WeightBroadcaster:
-    """Trainer side (rank 0): sends every bucket of the plan to all receivers."""
+def sync_device(backend: str) -> str:
+    """Where the buckets live while they travel: NCCL moves CUDA tensors, gloo CPU tensors."""
+    return "cuda" if backend == "nccl" else "cpu"
 
-    def __init__(self, host: str, port: int, world_size: int, timeout_s: float = 120.0):
-        self.group, self._store = make_gloo_group(host, port, 0, world_size, timeout_s)
+
+class WeightBroadcaster:
+    """Trainer side (rank 0): hosts the rendezvous on its node's address and sends every bucket of the
+    plan to all receivers. Two phases, because receivers need the port before the group can form:
+    construct (store listening), then `connect()` (blocks until every receiver has joined)."""
+
+    def __init__(self, host: str, world_size: int, backend: str = "gloo", timeout_s: float = 120.0):
+        self.host, self.world_size, self.backend, self.timeout_s = host, world_size, backend, timeout_s
+        self._store, self.port = open_rendezvous(host, world_size, timeout_s)
+        self.group = None
+
+    def connect(self) -> None:
+        self.group, _ = make_weight_group(self.host, self.port, 0, self.world_size, local_host=self.host,
+                                          backend=self.backend, store=self._store, timeout_s=self.timeout_s)
 
     def broadcast(self, plan: BucketPlan, tensors: dict[str, torch.Tensor]) -> int:
+        device = sync_device(self.backend)
         sent = 0
         for i in range(len(plan.buckets)):
-            flat = pack_bucket(plan, i, tensors).contiguous()
+            flat = pack_bucket(plan, i, tensors).to(device).contiguous()
             self.group.broadcast(flat, 0).wait()
             sent += flat.numel() * flat.element_size()
         return sent
 
 
+class WeightReceiver:
+    """Receiver side (ranks 1..N): joins the trainer's group; `receive()` returns one broadcast's tensors
+    under their names, on the backend's device."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, plan_json: str, *,
+                 local_host: str = "127.0.0.1", backend: str = "gloo", timeout_s: float = 120.0):
+        self.group, self._store = make_weight_group(host, int(port), int(rank), int(world_size),
+                                                    local_host=local_host, backend=backend, timeout_s=timeout_s)
+        self.plan = BucketPlan.from_json(plan_json)
+        self.device = sync_device(backend)
+
+    def receive(self) -> list[tuple[str, torch.Tensor]]:
+        dtype = DTYPES[self.plan.dtype]
+        received = []
+        for i in range(len(self.plan.buckets)):
+            flat = torch.empty(self.plan.bucket_numel(i), dtype=dtype, device=self.device)
+            self.group.broadcast(flat, 0).wait()
+            received.extend(unpack_bucket(self.plan, i, flat))
+        return received
+
+
 class WeightReceiverExtension:
     """Mixed into vLLM's worker class; runs in the worker process next to the model."""
 
-    def init_weight_group(self, host: str, port: str, rank: str, world_size: str, plan_json: str) -> str:
-        self._factory_group, self._factory_store = make_gloo_group(host, int(port), int(rank), int(world_size))
-        self._factory_plan = BucketPlan.from_json(plan_json)
+    def init_weight_group(self, host: str, port: str, rank: str, world_size: str, plan_json: str,
+                          local_host: str = "127.0.0.1", backend: str = "gloo") -> str:
+        self._factory_receiver = WeightReceiver(host, int(port), int(rank), int(world_size), plan_json,
+                                                local_host=local_host, backend=backend)
         return "ok"
 
     def receive_weights(self) -> str:
-        plan = self._factory_plan
-        dtype = DTYPES[plan.dtype]
-        received = []
-        for i in range(len(plan.buckets)):
-            flat = torch.empty(plan.bucket_numel(i), dtype=dtype)
-            self._factory_group.broadcast(flat, 0).wait()
-            received.extend(unpack_bucket(plan, i, flat))
+        received = self._factory_receiver.receive()
         self.model_runner.reload_weights(weights_iterator=iter(received))
         return str(len(received))
 
@@ -142,4 +217,3 @@ class WeightReceiverExtension:
         """Sum of one parameter as the worker holds it (tests use it to see an update landed)."""
         params = dict(self.model_runner.get_model().named_parameters())
         return repr(float(params[name].float().sum()))
-

@@ -165,7 +165,7 @@ MALFORMED = [
     ("unknown_loss_name", "algorithm:\n  loss: ppo\n", [],
      [f"{{file}}: algorithm.loss: unknown 'ppo'; choose one of {LOSSES}"]),
     ("bad_engine_literal", "rollout:\n  engine: trt\n", [],
-     ["{file}: rollout.engine: must be one of 'vllm', 'hf' or 'sglang', got 'trt'"]),
+     ["{file}: rollout.engine: unknown 'trt'; choose one of ['hf', 'sglang', 'vllm']"]),
     ("section_is_not_a_mapping", "train: 5\n", [],
      ["{file}: train: expected a section of `field: value` lines, got 5"]),
     ("family_without_name", "data:\n  families:\n    - weight: 2\n", [],

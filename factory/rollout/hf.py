@@ -24,8 +24,7 @@ class HFEngine:
         self.model = None
         self._lock = threading.Lock()
         self._aborted: set[str] = set()
-        self._group = None
-        self._plan = None
+        self._receiver = None
         self.stats = {"requests": 0, "tokens": 0, "updates": 0}
 
     async def start(self) -> None:
@@ -90,20 +89,15 @@ class HFEngine:
     async def begin_update(self) -> None:
         await self.gate.close_and_drain()
 
-    async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str) -> None:
-        from factory.weightsync import BucketPlan, make_gloo_group
+    async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str,
+                             local_host: str = "127.0.0.1", backend: str = "gloo") -> None:
+        from factory.weightsync import WeightReceiver
 
-        self._group, self._store = await asyncio.to_thread(make_gloo_group, host, int(port), int(rank), int(world_size))
-        self._plan = BucketPlan.from_json(plan_json)
+        self._receiver = await asyncio.to_thread(WeightReceiver, host, port, rank, world_size, plan_json,
+                                                 local_host=local_host, backend=backend)
 
     def _receive_sync(self) -> None:
-        from factory.weightsync import DTYPES, unpack_bucket
-
-        state = {}
-        for i in range(len(self._plan.buckets)):
-            flat = torch.empty(self._plan.bucket_numel(i), dtype=DTYPES[self._plan.dtype])
-            self._group.broadcast(flat, 0).wait()
-            state.update({k: v.float() for k, v in unpack_bucket(self._plan, i, flat)})
+        state = {k: v.float().cpu() for k, v in self._receiver.receive()}
         with self._lock:
             self.model.load_state_dict(state)
 

