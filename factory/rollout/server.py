@@ -1,0 +1,128 @@
+"""What every inference server we start shares (vLLM, SGLang): a child process in its own process
+group, a reaper that ends that group when its owner dies, a readiness wait on an HTTP health route,
+the tail of its log for error messages, and a stop that ends the whole group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+# Kills the server's process group once the process that started it is gone. Why: Ray SIGKILLs
+# actor processes on shutdown or crash and also kills their direct children; vLLM's engine core
+# and worker (and SGLang's scheduler and detokenizer) outlive their API server (seen here), holding
+# GBs. So the reaper detaches (forks away from the actor, so Ray does not count it as a child) and
+# polls the actor's pid; it also ends once the server group is gone (a normal stop).
+_GROUP_REAPER = (
+    "import os, signal, sys, time\n"
+    "pgid, owner = int(sys.argv[1]), int(sys.argv[2])\n"
+    "if os.fork():\n"
+    "    os._exit(0)\n"
+    "def alive(pid):\n"
+    "    try:\n"
+    "        with open(f'/proc/{pid}/stat') as f:\n"
+    "            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'\n"
+    "    except OSError:\n"
+    "        return False\n"
+    "def group_alive():\n"
+    "    try:\n"
+    "        os.killpg(pgid, 0)\n"
+    "        return True\n"
+    "    except ProcessLookupError:\n"
+    "        return False\n"
+    "while alive(owner) and group_alive():\n"
+    "    time.sleep(1)\n"
+    "if group_alive():\n"
+    "    os.killpg(pgid, signal.SIGKILL)\n"
+)
+
+
+class ServerProcess:
+    """One server process (`args`, `env`) answering at `url`, in its own process group.
+
+    Subclasses fill in `args`, `env`, `url` and `log_path` and may change `name` (used in errors)
+    and `health_path` (answers 200 once the server takes requests)."""
+
+    name = "inference"
+    health_path = "/health"
+
+    args: list[str]
+    env: dict[str, str]
+    url: str
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the server and a reaper that kills the server's process group if we die."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group, so stop() reaps its helper processes too
+            )
+        reaper = subprocess.Popen([sys.executable, "-S", "-c", _GROUP_REAPER, str(self.proc.pid), str(os.getpid())],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        reaper.wait(timeout=30)  # it forks its watcher and exits at once
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineStartError(
+                    f"{self.name} server exited with code {self.proc.returncode} during start-up; see "
+                    f"{self.log_path}:\n" + self.log_tail()
+                )
+            try:
+                if httpx.get(f"{self.url}{self.health_path}", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise EngineStartError(f"{self.name} server not ready after {timeout_s:.0f}s; see {self.log_path}")
+
+    def log_tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+        try:  # helper processes can outlive the API server: end the whole group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
