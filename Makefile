@@ -2,7 +2,7 @@
 STATE ?= $(CURDIR)/.state
 PY := $(STATE)/venv/bin/python
 
-.PHONY: setup main test bench
+.PHONY: setup main test bench cluster-demo
 
 setup:
 	bash infra/setup.sh
@@ -18,3 +18,15 @@ test: setup
 
 bench: setup
 	$(PY) bench/async_speedup.py
+
+# A short run on a two-node Ray cluster built on this machine (network namespaces + veth; root):
+# trainer on node 1, rollout engine and env worker on node 2, which cannot see node 1's files.
+CLUSTER_HOME := $(STATE)/cluster-home
+cluster-demo: setup
+	$(PY) -c "from factory.model.sft import ensure_base_policy; from factory.recipe import load_recipe; \
+	import shutil, os; p = ensure_base_policy(load_recipe('recipes/default.yaml')); \
+	d = '$(CLUSTER_HOME)/models/policy'; shutil.rmtree(d, ignore_errors=True); shutil.copytree(p, d)"
+	FACTORY_HOME=$(CLUSTER_HOME) bash infra/cluster/netns.sh up
+	FACTORY_HOME=$(CLUSTER_HOME) bash infra/cluster/netns.sh run $(PY) -m factory.cli run recipes/two_node.yaml \
+	  model.path=$(CLUSTER_HOME)/models/policy train.steps=20 eval.heldout=200 \
+	  ; status=$$?; FACTORY_HOME=$(CLUSTER_HOME) bash infra/cluster/netns.sh down; exit $$status

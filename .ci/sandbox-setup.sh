@@ -16,6 +16,8 @@ command -v bwrap >/dev/null || need+=(bubblewrap)
 command -v dockerd >/dev/null || need+=(docker.io)
 command -v debootstrap >/dev/null || need+=(debootstrap)
 command -v setpriv >/dev/null || need+=(util-linux)
+command -v nsenter >/dev/null || need+=(util-linux)
+command -v ip >/dev/null || need+=(iproute2)  # the two-node cluster test (infra/cluster/netns.sh)
 command -v "$PY" >/dev/null || need+=(python3)
 "$PY" -c "import yaml" 2>/dev/null || need+=(python3-yaml)
 if [ ${#need[@]} -gt 0 ]; then

@@ -39,7 +39,9 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.chdir(REPO_ROOT)
-    os.execv(dagster, [dagster, "dev", "-m", "assets.definitions", "-d", str(REPO_ROOT), *argv])
+    # loopback unless told otherwise: the UI launches runs, so it must not face the network by default
+    host = [] if any(a in ("-h", "--host") or a.startswith("--host=") for a in argv) else ["-h", "127.0.0.1"]
+    os.execv(dagster, [dagster, "dev", "-m", "assets.definitions", "-d", str(REPO_ROOT), *host, *argv])
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ class DagsterDev:
         with open(self.log, "wb") as log:
             # its own session: teardown stops dagster dev and every process it started, and nothing else
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "assets", "-p", str(self.port), "-h", "127.0.0.1"], cwd=REPO_ROOT, env=env,
+                [sys.executable, "-m", "assets", "-p", str(self.port)], cwd=REPO_ROOT, env=env,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while True:

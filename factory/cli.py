@@ -17,6 +17,19 @@ def _fail(message: str, code: int = 2) -> int:
     return code
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Failures a user fixes by changing the recipe, a path or the cluster: one line, no traceback."""
+    from factory.rollout.vllm import EngineStartError
+    from factory.runtime.cluster import PlacementError
+
+    return (EngineStartError, PlacementError, FileNotFoundError)
+
+
+def _cause(err: BaseException) -> str:
+    """The message of the error itself, also when Ray wrapped it (its traceback stays in the logs)."""
+    return str(getattr(err, "cause", None) or err).strip().splitlines()[0]
+
+
 def new_run_dir(name: str) -> Path:
     from factory.paths import runs_dir
 
@@ -74,7 +87,10 @@ def cmd_run(args) -> int:
     if recipe.sweep:
         return _fail(f"{args.recipe} holds a sweep grid: use `factory sweep {args.recipe}`")
     run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(recipe.name)
-    results = _train_with_progress(recipe, run_dir)
+    try:
+        results = _train_with_progress(recipe, run_dir)
+    except _user_errors() as err:
+        return _fail(_cause(err))
     print_summary(results)
     return 0
 

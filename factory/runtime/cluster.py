@@ -43,6 +43,10 @@ def local_ray(num_cpus: int = 8):
             ray.shutdown()
 
 
+class PlacementError(RuntimeError):
+    """The recipe's placement cannot be satisfied by this Ray cluster (a user error, one line)."""
+
+
 def check_placement(placement, engines: int, env_workers: int, scorer: bool) -> None:
     """Fail at once, naming the field, when the recipe's placement asks for more of a resource than the
     Ray cluster has in all: Ray would otherwise keep the actor pending forever (a silent hang)."""
@@ -59,6 +63,6 @@ def check_placement(placement, engines: int, env_workers: int, scorer: bool) -> 
         if total > have.get(name, 0.0) + 1e-9:
             roles = ", ".join(f"placement.{role} ({a:g})" for role, a in asks if a)
             nodes = sorted({k for k in have if k.startswith("node:") and k != "node:__internal_head__"})
-            raise RuntimeError(f"{roles}: ask for {total:g} of Ray resource {name!r} in all, but the cluster offers "
+            raise PlacementError(f"{roles}: ask for {total:g} of Ray resource {name!r} in all, but the cluster offers "
                                f"{have.get(name, 0.0):g} (nodes {', '.join(n[5:] for n in nodes)}); start a node "
                                f"with `ray start --resources '{{\"{name}\": N}}'` or change the recipe")

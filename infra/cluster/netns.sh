@@ -37,6 +37,7 @@ up() {
   ip netns list | grep -qw "$HEAD_NS" && die "namespace $HEAD_NS exists already: run '$0 down' first"
   [ -x "$RAY" ] || die "no ray at $RAY: run 'make setup' (or set PYTHON to a venv with ray)"
   mkdir -p "$CLUSTER_DIR" "$FACTORY_HOME"
+  trap 'echo "netns.sh: up failed; tearing down what it made" >&2; down' EXIT  # no half-made cluster left
   ip netns add "$HEAD_NS"
   ip netns add "$NODE_NS"
   ip link add "$NAME-h" type veth peer name "$NAME-n"
@@ -68,6 +69,7 @@ while sum(n["Alive"] for n in ray.nodes()) < 2:
     time.sleep(0.5)
 print("cluster up:", ", ".join(sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])))
 PY
+  trap - EXIT
   echo "driver: $0 run <command>   (RAY_ADDRESS=$HEAD_IP:$PORT inside $HEAD_NS)"
 }
 

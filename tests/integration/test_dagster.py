@@ -68,6 +68,14 @@ def launch_sweep(dagster: DagsterDev, run_overrides: list[str], grid: list[str])
     return sweep
 
 
+def test_dagster_dev_as_the_readme_starts_it_listens_on_loopback(dagster):
+    from .test_cluster import beyond_loopback, listening
+
+    sockets = listening(dagster.process.pid)  # webserver, daemon, code servers
+    assert any(s[1] == dagster.port for s in sockets)
+    assert not beyond_loopback(sockets), beyond_loopback(sockets)
+
+
 def test_a_sweep_of_two_points_trains_two_runs_with_lake_mlflow_and_evaluations(dagster, policy):
     run_overrides = overrides(policy, *TINY)
     sweep = launch_sweep(dagster, run_overrides, SWEEP_GRID)

@@ -1,0 +1,37 @@
+"""How a vLLM server is launched: CPU-only flags only on CPU, the bind address as asked, and a plain
+error when the model is not on this node."""
+
+from __future__ import annotations
+
+import pytest
+
+from factory.rollout.vllm import AttachedServer, EngineStartError, VLLMServer
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    return tmp_path
+
+
+def test_cpu_launch_carries_the_cpu_backend_settings_and_a_gpu_launch_drops_them(model_dir):
+    cpu = VLLMServer(str(model_dir), device="cpu", port=1234)
+    assert "--enforce-eager" in cpu.args and cpu.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert cpu.args[cpu.args.index("--host") + 1] == "127.0.0.1" and cpu.url == "http://127.0.0.1:1234"
+    gpu = VLLMServer(str(model_dir), device="cuda", port=1234, host="10.0.0.5")
+    assert "--enforce-eager" not in gpu.args
+    assert not {k for k in gpu.env if k.startswith("VLLM_CPU_")} - {k for k in __import__("os").environ}
+    assert gpu.args[gpu.args.index("--host") + 1] == "10.0.0.5" and gpu.url == "http://10.0.0.5:1234"
+    # both keep what weight sync and partial rollouts need
+    for server in (cpu, gpu):
+        assert "factory.weightsync.WeightReceiverExtension" in server.args and "--enable-scale-out" in server.args
+
+
+def test_a_model_missing_on_this_node_is_named_before_anything_starts(tmp_path):
+    with pytest.raises(EngineStartError, match=f"vLLM: no model at {tmp_path / 'gone'} on this node"):
+        VLLMServer(str(tmp_path / "gone"))
+
+
+def test_attaching_where_nothing_answers_says_how_to_start_an_engine():
+    with pytest.raises(EngineStartError, match=r"no vLLM server answers at http://127.0.0.1:9 .*factory serve"):
+        AttachedServer("http://127.0.0.1:9/").check(timeout_s=2)
