@@ -116,7 +116,7 @@ class Trainer:
 
         torch.set_num_threads(train.threads)
         torch.manual_seed(train.seed)
-        self.device = torch.device(resolve_device(getattr(train, "device", "auto")))
+        self.device = torch.device(resolve_device(train.device))
         self.algorithm = algorithm
         self.train_cfg = train
         self.temperature = rollout.temperature
