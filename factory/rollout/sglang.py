@@ -91,7 +91,7 @@ class SGLangServer(ServerProcess):
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
-        self.log_path = log_path or (cache_dir() / f"sglang-{self.port}.log")
+        self.log_path = Path(log_path) if log_path else cache_dir() / f"sglang-{self.port}.log"
         cpu_args = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule"]
         self.args = [
             self.python, "-m", "sglang.launch_server",
@@ -155,7 +155,7 @@ class SGLangEngine:
                  kv_cache_gb: float = 2, threads: int = 1, log_path: Path | None = None,
                  startup_timeout_s: float = 300.0, server: SGLangServer | None = None,
                  partial_rollout: str = "wait", host: str = "127.0.0.1", device: str = "auto",
-                 python: str | None = None):
+                 python: str | None = None, coalesce_ms: float = 5.0, max_batch: int = 256):
         if partial_rollout not in self.SUPPORTED_PARTIAL:
             raise ValueError(f"rollout.partial_rollout: {partial_rollout!r} is not supported by the SGLang engine "
                              f"(it supports {', '.join(self.SUPPORTED_PARTIAL)})")
@@ -174,6 +174,11 @@ class SGLangEngine:
         self._client: httpx.AsyncClient | None = None
         self._user_aborted: set[str] = set()
         self._inflight_ids: set[str] = set()
+        self.coalesce_s = coalesce_ms / 1000.0
+        self.max_batch = max_batch
+        self._pending: list = []
+        self._flushing: set[asyncio.Task] = set()
+        self._batches = 0
         self.stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "aborted": 0,
                       "mixed_version": 0, "prefix_reset_skipped": 0}
 
@@ -187,7 +192,8 @@ class SGLangEngine:
             raise ValueError("train.lora: the SGLang engine does not serve LoRA adapters; use vllm")
         return cls(b.model_path, dtype=r.dtype, max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb,
                    threads=r.cpus, log_path=b.log_path, startup_timeout_s=r.startup_timeout_s,
-                   partial_rollout=r.partial_rollout, host=b.host, device=getattr(r, "device", "auto"))
+                   partial_rollout=r.partial_rollout, host=b.host, device=getattr(r, "device", "auto"),
+                   coalesce_ms=r.coalesce_ms)
 
     @property
     def url(self) -> str:
@@ -214,7 +220,8 @@ class SGLangEngine:
 
     # --- generation ------------------------------------------------------------------------------
 
-    def _body(self, prompt_ids: list[int], sp: SamplingParams, request_id: str) -> dict:
+    @staticmethod
+    def _params(sp: SamplingParams) -> dict:
         params = {"max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
                   "skip_special_tokens": False}
         if sp.top_k > 0:
@@ -225,21 +232,57 @@ class SGLangEngine:
             params["min_new_tokens"] = sp.min_new_tokens
         if sp.seed is not None:
             params["sampling_seed"] = sp.seed
-        return {"input_ids": list(prompt_ids), "sampling_params": params, "return_logprob": True,
-                "rid": request_id, "stream": False}
+        return params
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Generation:
-        body = self._body(prompt_ids, sampling, request_id)
-        async with self.gate:
-            version = self.version  # fixed for this request: updates wait for the drain
-            self._inflight_ids.add(request_id)
-            try:
-                resp = await self.client.post("/generate", json=body)
-            finally:
-                self._inflight_ids.discard(request_id)
-        if resp.status_code != 200:
-            raise RuntimeError(f"SGLang /generate answered {resp.status_code}: {resp.text[:300]}")
-        out = resp.json()
+        """Queue one prompt; prompts that arrive within `coalesce_ms` travel to the server as one
+        batched `/generate` request (each keeps its own sampling parameters and request id).
+
+        Why: measured here, 64 prompts x 8 tokens took 1.5-2.6 s as 64 requests, 0.6-0.7 s as one."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._pending.append((list(prompt_ids), sampling, request_id, future))
+        if len(self._pending) >= self.max_batch:
+            self._start_flush()
+        elif len(self._pending) == 1:
+            loop.call_later(self.coalesce_s, self._start_flush)
+        return await future
+
+    def _start_flush(self) -> None:
+        batch, self._pending = self._pending, []
+        if batch:
+            task = asyncio.create_task(self._flush(batch))
+            self._flushing.add(task)
+            task.add_done_callback(self._flushing.discard)
+
+    async def _flush(self, batch) -> None:
+        rids = [rid for _, _, rid, _ in batch]
+        body = {"input_ids": [p for p, *_ in batch], "sampling_params": [self._params(sp) for _, sp, _, _ in batch],
+                "rid": rids, "return_logprob": True, "stream": False}
+        self._batches += 1
+        try:
+            async with self.gate:
+                version = self.version  # fixed for these requests: updates wait for the drain
+                self._inflight_ids.update(rids)
+                try:
+                    resp = await self.client.post("/generate", json=body)
+                finally:
+                    self._inflight_ids.difference_update(rids)
+            if resp.status_code != 200:
+                raise RuntimeError(f"SGLang /generate answered {resp.status_code}: {resp.text[:300]}")
+            outs = resp.json()
+            if len(outs) != len(batch):
+                raise RuntimeError(f"SGLang /generate returned {len(outs)} outputs for {len(batch)} prompts")
+        except Exception as err:  # every waiter learns of the failure
+            for *_, future in batch:
+                if not future.done():
+                    future.set_exception(err)
+            return
+        for (prompt_ids, _, rid, future), out in zip(batch, outs):
+            if not future.done():
+                future.set_result(self._generation(out, len(prompt_ids), rid, version))
+
+    def _generation(self, out: dict, prompt_len: int, request_id: str, version: int) -> Generation:
         meta = out.get("meta_info") or {}
         ids = [int(t) for t in out.get("output_ids") or []]
         lps = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
@@ -252,7 +295,7 @@ class SGLangEngine:
             finish = "abort"
         self.stats["requests"] += 1
         self.stats["tokens"] += len(ids)
-        return Generation(ids, lps, versions, finish, len(prompt_ids), None)
+        return Generation(ids, lps, versions, finish, prompt_len, None)
 
     async def abort(self, request_id: str) -> None:
         if request_id not in self._inflight_ids:
@@ -329,7 +372,7 @@ class SGLangEngine:
     def metrics(self) -> dict[str, float]:
         return {
             "rollout/engine_requests": self.stats["requests"],
-            "rollout/engine_http_batches": self.stats["requests"],  # one HTTP request per prompt
+            "rollout/engine_http_batches": self._batches,
             "rollout/engine_tokens": self.stats["tokens"],
             "rollout/engine_version": self.version,
             "rollout/engine_inflight": self.gate.inflight,

@@ -96,8 +96,13 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
 
 def test_greedy_ids_and_logprobs_match_transformers(server, policy, prompts, tokenizer):
-    gens = run(lambda e: asyncio.gather(*[e.generate(p, GREEDY, f"g{i}") for i, p in enumerate(prompts)]),
-               server, policy)
+    async def scenario(engine):
+        gens = await asyncio.gather(*[engine.generate(p, GREEDY, f"g{i}") for i, p in enumerate(prompts)])
+        return gens, engine.metrics()
+
+    gens, metrics = run(scenario, server, policy)
+    # prompts sent together share one batched /generate request
+    assert metrics["rollout/engine_requests"] == len(prompts) and metrics["rollout/engine_http_batches"] == 1
     worst = 0.0
     for prompt, gen in zip(prompts, gens):
         assert gen.token_ids and len(gen.logprobs) == len(gen.token_ids) == len(gen.versions)
