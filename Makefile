@@ -2,7 +2,7 @@
 STATE ?= $(CURDIR)/.state
 PY := $(STATE)/venv/bin/python
 
-.PHONY: setup main test bench cluster-demo
+.PHONY: setup sglang-venv main test bench cluster-demo
 
 setup:
 	bash infra/setup.sh
@@ -13,7 +13,11 @@ setup:
 main: setup
 	$(PY) -m assets materialize recipes/default.yaml
 
-test: setup
+# SGLang's CPU test set-up: a venv of its own (another torch pin than vLLM's); ~4 min once, then instant
+sglang-venv:
+	bash infra/sglang-venv.sh
+
+test: setup sglang-venv
 	$(PY) -m pytest -q tests
 
 bench: setup

@@ -92,9 +92,14 @@ ENGINES.register("vllm", EngineKind(
     partial_rollouts=PARTIAL_ROLLOUTS, weight_syncs=WEIGHT_SYNCS, lora=True, attach=True))
 ENGINES.register("hf", EngineKind(
     "hf", _hf, "transformers in the engine's process, one request at a time (slow; no server needed)"))
-ENGINES.register("sglang", EngineKind(
-    "sglang", _sglang, "an SGLang server per engine (a separate venv on CPU, infra/sglang-venv.sh)",
-    weight_syncs=("disk",)))
+def _sglang_kind() -> EngineKind:
+    from factory.rollout.sglang import SGLangEngine  # light: httpx only; the server runs elsewhere
+
+    return EngineKind("sglang", _sglang, "an SGLang server per engine (a separate venv on CPU, infra/sglang-venv.sh)",
+                      partial_rollouts=SGLangEngine.SUPPORTED_PARTIAL, weight_syncs=SGLangEngine.SUPPORTED_SYNC)
+
+
+ENGINES.register("sglang", _sglang_kind())
 
 
 def make_engine(kind: str, build: EngineBuild):
