@@ -16,8 +16,20 @@ weight swap, `/update_weights_from_disk`, `/update_weight_version`, `/flush_cach
 broadcast `/begin_weight_update` + `/update_weights_from_tensor` + `/end_weight_update` with our
 custom weight loaders (factory/rollout/sglang_receiver.py).
 
-Weight updates drain in-flight requests first (`rollout.partial_rollout=wait`), so every token of
-a request comes from one version. Logprobs are those of the temperature-scaled distribution the
+What happens to requests in flight at a weight update is the recipe's `rollout.partial_rollout`,
+each on SGLang's own `/pause_generation` modes:
+
+- `wait`: stop admitting, let in-flight requests finish, pause (`in_place`), swap, flush the prefix
+  cache, resume. One version per request.
+- `abort_resume`: stop admitting, pause with `abort` (running requests come back with the tokens
+  sampled so far), swap, resume, and send prompt + those tokens back for the rest of the budget.
+  The old tokens keep the old version and logprobs; the new ones carry the new version.
+- `inflight`: pause with `retract` (running requests go back to the queue without their KV), swap,
+  resume: they carry on, their KV recomputed under the new weights (vLLM's `inflight` keeps the old
+  KV instead). Per-token versions are exact: the server labels tokens by the weight version that
+  sampled them (`weight_versions` spans, labels set by `/update_weight_version`).
+
+Logprobs are those of the temperature-scaled distribution the
 token was sampled from; with top-k/top-p SGLang reports them before the top-k/top-p renormalisation
 (vLLM's `processed_logprobs` report them after), and it returns no candidate sets
 (`rollout.keep_sampling_mask` is not supported). A request's `seed` is passed as SGLang's
@@ -33,6 +45,7 @@ import struct
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -148,7 +161,7 @@ FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 class SGLangEngine:
     """RolloutEngine over an SGLang server: prompts go in as token ids on `/generate`."""
 
-    SUPPORTED_PARTIAL = ("wait",)
+    SUPPORTED_PARTIAL = ("wait", "abort_resume", "inflight")
     SUPPORTED_SYNC = ("broadcast", "disk")
 
     def __init__(self, model: str, *, dtype: str = "bfloat16", max_model_len: int = 256,
@@ -179,7 +192,7 @@ class SGLangEngine:
         self._pending: list = []
         self._flushing: set[asyncio.Task] = set()
         self._batches = 0
-        self.stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "aborted": 0,
+        self.stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "aborted": 0, "resumed": 0,
                       "mixed_version": 0, "prefix_reset_skipped": 0}
 
     @classmethod
@@ -278,9 +291,40 @@ class SGLangEngine:
                 if not future.done():
                     future.set_exception(err)
             return
-        for (prompt_ids, _, rid, future), out in zip(batch, outs):
+        for (prompt_ids, sampling, rid, future), out in zip(batch, outs):
+            if future.done():
+                continue
+            user_aborted = rid in self._user_aborted
+            gen = self._generation(out, len(prompt_ids), rid, version)
+            if (self.partial == "abort_resume" and gen.finish_reason == "abort" and not user_aborted
+                    and len(gen.token_ids) < sampling.max_new_tokens):
+                # cut off by a weight update: continue under the new weights
+                task = asyncio.create_task(self._continue(prompt_ids, gen, sampling, rid, future))
+                self._flushing.add(task)
+                task.add_done_callback(self._flushing.discard)
+                continue
+            future.set_result(gen)
+
+    async def _continue(self, prompt_ids, head: Generation, sampling: SamplingParams, request_id: str,
+                        future) -> None:
+        """Finish a request a weight update aborted: prompt + tokens so far go back for the rest of the
+        budget (queued until the engine reopens at the new version); the pieces are joined."""
+        self.stats["resumed"] += 1
+        n = len(head.token_ids)
+        rest = replace(sampling, max_new_tokens=sampling.max_new_tokens - n,
+                       min_new_tokens=max(0, sampling.min_new_tokens - n))
+        try:
+            tail = await self.generate(list(prompt_ids) + head.token_ids, rest, request_id)
+        except Exception as err:
             if not future.done():
-                future.set_result(self._generation(out, len(prompt_ids), rid, version))
+                future.set_exception(err)
+            return
+        versions = head.versions + tail.versions
+        if len(set(versions)) > 1:
+            self.stats["mixed_version"] += 1
+        if not future.done():
+            future.set_result(Generation(head.token_ids + tail.token_ids, head.logprobs + tail.logprobs, versions,
+                                         tail.finish_reason, len(prompt_ids), None))
 
     def _generation(self, out: dict, prompt_len: int, request_id: str, version: int) -> Generation:
         meta = out.get("meta_info") or {}
@@ -288,7 +332,7 @@ class SGLangEngine:
         lps = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
         versions = spans_to_versions(meta.get("weight_versions"), len(ids), version)
         if len(set(versions)) > 1:
-            self.stats["mixed_version"] += 1
+            self.stats["mixed_version"] += 1  # inflight: one request sampled by two versions
         finish = FINISH.get(((meta.get("finish_reason") or {}).get("type")) or "stop", "stop")
         if request_id in self._user_aborted:
             self._user_aborted.discard(request_id)
@@ -324,10 +368,21 @@ class SGLangEngine:
         return data
 
     async def begin_update(self) -> None:
-        """Stop admitting, let in-flight requests finish, then pause SGLang's scheduler in place."""
+        """Pause SGLang's scheduler for a weight swap; what happens to requests in flight is
+        `partial_rollout` (module docstring). Requests sent while it is paused wait in the server."""
         self._update_t0 = time.perf_counter()
-        await self.gate.close_and_drain()
-        await self._post("/pause_generation", {"mode": "in_place"})
+        if self.partial == "inflight":
+            # running requests go back to the waiting queue without their KV: after the swap they are
+            # recomputed under the new weights and carry on; the prefix cache can be flushed
+            await self._post("/pause_generation", {"mode": "retract"})
+        elif self.partial == "abort_resume":
+            self.gate.close()
+            # SGLang aborts every running request (each comes back with the tokens sampled so far,
+            # finish "abort") and returns once none is left in its scheduler; _flush continues them
+            await self._post("/pause_generation", {"mode": "abort"})
+        else:
+            await self.gate.close_and_drain()
+            await self._post("/pause_generation", {"mode": "in_place"})
 
     async def load_from_disk(self, path: str) -> None:
         """Load the weights saved at `path` (a model directory on this engine's node)."""
@@ -357,7 +412,10 @@ class SGLangEngine:
     async def end_update(self, version: int) -> None:
         """Label the new weights, drop the prefix cache the old ones computed, resume, reopen."""
         await self._post("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
-        await self._flush_cache()
+        if self.partial == "wait":
+            await self._flush_cache()  # drained: nothing holds the cache, so a refusal is an error
+        elif (await self.client.post("/flush_cache")).status_code != 200:
+            self.stats["prefix_reset_skipped"] += 1  # refused while requests hold KV (not seen with retract)
         await self._post("/continue_generation", {})
         self.version = version
         self.stats["updates"] += 1
@@ -377,7 +435,7 @@ class SGLangEngine:
             "rollout/engine_version": self.version,
             "rollout/engine_inflight": self.gate.inflight,
             "weightsync/updates": self.stats["updates"],
-            "rollout/engine_resumed_requests": 0,
+            "rollout/engine_resumed_requests": self.stats["resumed"],
             "rollout/engine_mixed_version_requests": self.stats["mixed_version"],
             "weightsync/prefix_reset_skipped": self.stats["prefix_reset_skipped"],
             "weightsync/seconds_total": self.stats["update_s"],

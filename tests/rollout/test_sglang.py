@@ -66,10 +66,10 @@ def prompts(tokenizer):
     return [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
 
 
-def run(coro_fn, server, policy):
+def run(coro_fn, server, policy, **engine_kw):
     """Run `coro_fn(engine)` on a fresh engine client over the shared server."""
     async def main():
-        engine = SGLangEngine(policy, server=server)
+        engine = SGLangEngine(policy, server=server, **engine_kw)
         try:
             return await coro_fn(engine)
         finally:
@@ -78,24 +78,23 @@ def run(coro_fn, server, policy):
     return asyncio.run(main())
 
 
-def reference(model_dir_or_model, prompt: list[int], completion: list[int]) -> tuple[list[int], list[float]]:
+def reference(model, prompt: list[int], completion: list[int],
+              masked: list[int] = ()) -> tuple[list[int], list[float]]:
     """transformers (fp32), teacher-forced on prompt + completion: the greedy id and the logprob of
-    the completion's token at every completion position."""
-    from transformers import AutoModelForCausalLM
-
-    model = model_dir_or_model
-    if isinstance(model, str):
-        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    the completion's token at every completion position (`masked` ids excluded, as min_new_tokens
+    excludes the end-of-turn token from the sampler's distribution)."""
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
-    logp = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) + len(completion) - 1], dim=-1)
+    logits = logits[len(prompt) - 1 : len(prompt) + len(completion) - 1]
+    logits[:, list(masked)] = float("-inf")
+    logp = torch.log_softmax(logits, dim=-1)
     return logp.argmax(-1).tolist(), [float(logp[i, t]) for i, t in enumerate(completion)]
 
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
 
-def test_greedy_ids_and_logprobs_match_transformers(server, policy, prompts, tokenizer):
+def test_greedy_ids_and_logprobs_match_transformers(server, policy, prompts, tokenizer, old_model):
     async def scenario(engine):
         gens = await asyncio.gather(*[engine.generate(p, GREEDY, f"g{i}") for i, p in enumerate(prompts)])
         return gens, engine.metrics()
@@ -108,7 +107,7 @@ def test_greedy_ids_and_logprobs_match_transformers(server, policy, prompts, tok
         assert gen.token_ids and len(gen.logprobs) == len(gen.token_ids) == len(gen.versions)
         assert gen.versions == [0] * len(gen.token_ids)
         assert gen.finish_reason in ("stop", "length")
-        greedy, ref = reference(policy, prompt, gen.token_ids)
+        greedy, ref = reference(old_model, prompt, gen.token_ids)
         assert gen.token_ids == greedy, (tokenizer.decode(gen.token_ids), tokenizer.decode(greedy))
         worst = max(worst, max(abs(a - b) for a, b in zip(gen.logprobs, ref)))
     print(f"max |logprob(SGLang bf16) - logprob(transformers fp32)| = {worst:.4f}")
@@ -146,6 +145,8 @@ def test_update_drains_in_flight_requests_and_holds_new_ones(server, policy, pro
     long = SamplingParams(max_new_tokens=40, min_new_tokens=40, temperature=1.0)
 
     async def scenario(engine):
+        await engine.begin_update()  # label the current weights 4 (the shared server keeps its last label)
+        await engine.end_update(4)
         first = asyncio.create_task(engine.generate(prompts[0], long, "in-flight"))
         await asyncio.sleep(0.2)
         await engine.begin_update()
@@ -158,12 +159,21 @@ def test_update_drains_in_flight_requests_and_holds_new_ones(server, policy, pro
 
     drained, held, first, late, metrics = run(scenario, server, policy)
     assert drained and held
-    assert len(first.token_ids) == 40 and set(first.versions) == {0}
+    assert len(first.token_ids) == 40 and set(first.versions) == {4}
     assert late.versions == [5] * len(late.token_ids)
-    assert metrics["weightsync/updates"] == 1 and metrics["rollout/engine_version"] == 5
+    assert metrics["weightsync/updates"] == 2 and metrics["rollout/engine_version"] == 5
 
 
-def _perturbed_copy(policy: str, out_dir) -> "torch.nn.Module":
+@pytest.fixture(scope="module")
+def old_model(policy):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def perturbed(policy, tmp_path_factory):
+    """The policy with noise added to every weight (torch), saved as a model dir: (dir, model)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
@@ -171,8 +181,9 @@ def _perturbed_copy(policy: str, out_dir) -> "torch.nn.Module":
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.5 * p.std().clamp(min=1e-3))
-    model.save_pretrained(out_dir)
-    return model
+    out = tmp_path_factory.mktemp("perturbed")
+    model.save_pretrained(out)
+    return str(out), model
 
 
 def _logprob_gaps(engine_gens, prompts, model) -> float:
@@ -180,20 +191,17 @@ def _logprob_gaps(engine_gens, prompts, model) -> float:
                for p, g in zip(prompts, engine_gens))
 
 
-def test_load_from_disk_switches_weights_and_flushes_the_prefix_cache(server, policy, prompts, tmp_path):
+def test_load_from_disk_switches_weights_and_flushes_the_prefix_cache(server, policy, prompts, old_model, perturbed):
     """Perturbed weights saved with torch and loaded through /update_weights_from_disk: logprobs follow
     the new weights (on prompts the server has cached: the prefix cache is flushed), then the original
     weights load back."""
-    from transformers import AutoModelForCausalLM
-
-    new_model = _perturbed_copy(policy, tmp_path / "perturbed")
-    old_model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
+    new_dir, new_model = perturbed
 
     async def scenario(engine):
         before = await asyncio.gather(*[engine.generate(p, GREEDY, f"b{i}") for i, p in enumerate(prompts)])
         t0 = time.perf_counter()
         await engine.begin_update()
-        await engine.load_from_disk(str(tmp_path / "perturbed"))
+        await engine.load_from_disk(new_dir)
         await engine.end_update(1)
         seconds = time.perf_counter() - t0
         after = await asyncio.gather(*[engine.generate(p, GREEDY, f"a{i}") for i, p in enumerate(prompts)])
@@ -213,14 +221,49 @@ def test_load_from_disk_switches_weights_and_flushes_the_prefix_cache(server, po
     assert [g.token_ids for g in restored] == [g.token_ids for g in before]
 
 
-def test_broadcast_from_the_trainer_side_of_factory_weightsync(server, policy, prompts, tmp_path):
+@pytest.mark.parametrize("mode", ["inflight", "abort_resume"])
+def test_partial_rollout_modes_span_the_update(server, policy, prompts, tokenizer, old_model, perturbed, mode):
+    """A long request in flight across an update: its first tokens come from the old weights, the rest
+    from the new ones (recomputed KV for inflight, prompt + partial tokens resent for abort_resume);
+    versions say which, and each part's logprobs match transformers on the weights that sampled it."""
+    new_dir, new_model = perturbed
+    long = SamplingParams(max_new_tokens=120, min_new_tokens=120, temperature=1.0)
+
+    async def scenario(engine):
+        await engine.begin_update()  # label the current weights 7 (the shared server keeps its last label)
+        await engine.end_update(7)
+        task = asyncio.create_task(engine.generate(prompts[2], long, f"long-{mode}"))
+        await asyncio.sleep(0.6)
+        await engine.begin_update()
+        await engine.load_from_disk(new_dir)
+        await engine.end_update(8)
+        gen = await asyncio.wait_for(task, 60)
+        metrics = engine.metrics()
+        await engine.begin_update()
+        await engine.load_from_disk(policy)  # leave the server on the original weights
+        await engine.end_update(9)
+        return gen, metrics
+
+    gen, metrics = run(scenario, server, policy, partial_rollout=mode)
+    assert len(gen.token_ids) == 120 and len(gen.logprobs) == 120 and gen.finish_reason == "length"
+    k = gen.versions.index(8)  # the first token the new weights sampled
+    assert 0 < k and set(gen.versions[:k]) == {7} and set(gen.versions[k:]) == {8}, gen.versions
+    assert metrics["rollout/engine_mixed_version_requests"] >= 1
+    if mode == "abort_resume":
+        assert metrics["rollout/engine_resumed_requests"] == 1
+    eos = [tokenizer.eos_token_id]  # min_new_tokens = max_new_tokens: never sampleable
+    _, old_ref = reference(old_model, prompts[2], gen.token_ids[:k], eos)
+    _, new_ref = reference(new_model, prompts[2], gen.token_ids, eos)
+    assert max(abs(a - b) for a, b in zip(gen.logprobs[:k], old_ref)) < LOGPROB_TOL
+    assert max(abs(a - b) for a, b in zip(gen.logprobs[k:], new_ref[k:])) < LOGPROB_TOL
+
+
+def test_broadcast_from_the_trainer_side_of_factory_weightsync(server, policy, prompts, old_model, perturbed):
     """A gloo broadcast from factory.weightsync's trainer side (this process) into the server's
     scheduler, through our custom weight loaders; logprobs then follow the broadcast weights."""
-    from transformers import AutoModelForCausalLM
-
     from factory.weightsync import BucketPlan, WeightBroadcaster
 
-    new_model = _perturbed_copy(policy, tmp_path / "perturbed")
+    _, new_model = perturbed
     tensors = {n: t.detach() for n, t in new_model.state_dict().items()}
     plan = BucketPlan.for_state([(n, list(t.shape)) for n, t in tensors.items()], "bfloat16", 1 << 20)
     broadcaster = WeightBroadcaster("127.0.0.1", 2)
@@ -244,7 +287,6 @@ def test_broadcast_from_the_trainer_side_of_factory_weightsync(server, policy, p
 
     after, seconds = run(scenario, server, policy)
     print(f"broadcast of {plan.total_bytes / 2**20:.1f} MiB in {len(plan.buckets)} buckets: {seconds:.2f} s")
-    old_model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
     assert all(g.versions == [3] * len(g.token_ids) for g in after)
     assert _logprob_gaps(after, prompts, new_model) < LOGPROB_TOL
     assert _logprob_gaps(after, prompts, old_model) > 10 * LOGPROB_TOL
