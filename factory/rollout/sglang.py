@@ -39,6 +39,7 @@ token was sampled from; with top-k/top-p SGLang reports them before the top-k/to
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import struct
@@ -70,13 +71,17 @@ def sglang_python() -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
-def kv_tokens(model: str, dtype: str, kv_cache_gb: float) -> int:
-    """How many tokens of KV cache fit in `kv_cache_gb` for this model (SGLang on CPU otherwise sizes
-    its pool from free memory: 14 GB and 30 s of start-up for a 2.7M-parameter model, seen here)."""
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_token = 2 * cfg["num_hidden_layers"] * heads * head_dim * (4 if dtype == "float32" else 2)
+def kv_tokens(model: str, dtype: str, kv_cache_gb: float) -> int | None:
+    """How many tokens of KV cache fit in `kv_cache_gb` for this (decoder-only) model; None when its
+    config does not say (SGLang then sizes the pool itself — on CPU from free memory: 14 GB and 30 s
+    of start-up for a 2.7M-parameter model, seen here)."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+        heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        per_token = 2 * cfg["num_hidden_layers"] * heads * head_dim * (4 if dtype == "float32" else 2)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
     return max(4096, int(kv_cache_gb * 2**30 / per_token))
 
 
@@ -106,11 +111,12 @@ class SGLangServer(ServerProcess):
         self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path) if log_path else cache_dir() / f"sglang-{self.port}.log"
         cpu_args = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule"]
+        tokens = kv_tokens(model, dtype, kv_cache_gb)
         self.args = [
             self.python, "-m", "sglang.launch_server",
             "--model-path", model, "--host", host, "--port", str(self.port), "--dtype", dtype,
             "--context-length", str(max_model_len),
-            "--max-total-tokens", str(kv_tokens(model, dtype, kv_cache_gb)),
+            *(["--max-total-tokens", str(tokens)] if tokens else []),
             "--weight-version", "0",  # per-token version labels are our integer versions
             "--custom-weight-loader", f"{RECEIVER}.join_group", f"{RECEIVER}.receive",
             "--log-level", "warning",
@@ -127,6 +133,9 @@ class SGLangServer(ServerProcess):
             "OMP_NUM_THREADS": str(threads),
             "HF_HUB_OFFLINE": "1",
             "PYTHONWARNINGS": "ignore",  # dozens of "only CUDA supports X" import warnings per process
+            # idle connections outlive the client's keep-alive (30 s); vLLM's server closing a connection
+            # as the client reused it (both at 5 s) was seen as httpx.ReadError
+            "SGLANG_TIMEOUT_KEEP_ALIVE": "3600",
         })
 
     def launch(self) -> None:
@@ -150,8 +159,6 @@ def _call_payload(args: dict) -> str:
     pickling here, whatever torch this process has."""
     name = json.dumps(args).encode()
     data = b"\x80\x02](X" + struct.pack("<I", len(name)) + name + b"ctorch\nTensor\n)\x81\x86e."
-    import base64
-
     return base64.b64encode(data).decode()
 
 
@@ -205,7 +212,7 @@ class SGLangEngine:
             raise ValueError("train.lora: the SGLang engine does not serve LoRA adapters; use vllm")
         return cls(b.model_path, dtype=r.dtype, max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb,
                    threads=r.cpus, log_path=b.log_path, startup_timeout_s=r.startup_timeout_s,
-                   partial_rollout=r.partial_rollout, host=b.host, device=getattr(r, "device", "auto"),
+                   partial_rollout=r.partial_rollout, host=b.host, device=r.device,
                    coalesce_ms=r.coalesce_ms)
 
     @property
