@@ -29,8 +29,8 @@ def test_engine_names_in_the_recipe_and_its_schema_come_from_the_registry():
 @pytest.mark.parametrize("rollout, message", [
     ({"engine": "hf", "partial_rollout": "inflight"},
      "rollout.partial_rollout: 'inflight' is not supported by rollout.engine=hf (it supports wait)"),
-    ({"engine": "sglang", "partial_rollout": "abort_resume"},
-     "rollout.partial_rollout: 'abort_resume' is not supported by rollout.engine=sglang"),
+    ({"engine": "sglang", "keep_sampling_mask": True, "top_k": 5},
+     "rollout.keep_sampling_mask: rollout.engine=sglang does not report the sampler's candidate sets"),
     ({"engine": "sglang", "weight_sync": "lora", "urls": []},
      "rollout.weight_sync: 'lora' is not supported by rollout.engine=sglang"),
     ({"engine": "hf", "urls": ["http://127.0.0.1:8000"]}, "rollout.urls: rollout.engine=hf cannot attach"),

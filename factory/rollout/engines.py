@@ -42,6 +42,7 @@ class EngineKind:
     weight_syncs: tuple[str, ...] = ("broadcast", "disk")
     lora: bool = False
     attach: bool = False  # can attach to a running server named by URL
+    sampling_mask: bool = True  # reports the sampler's candidate set per token (rollout.keep_sampling_mask)
 
     def problems(self, rollout, lora_enabled: bool) -> list[str]:
         """Why this engine cannot serve a recipe with these settings (empty: it can)."""
@@ -54,6 +55,9 @@ class EngineKind:
                        f"{self.name} (it supports {', '.join(self.weight_syncs)})")
         if lora_enabled and not self.lora:
             out.append(f"train.lora: rollout.engine={self.name} cannot serve LoRA adapters; use vllm")
+        if rollout.keep_sampling_mask and not self.sampling_mask:
+            out.append(f"rollout.keep_sampling_mask: rollout.engine={self.name} does not report the sampler's "
+                       "candidate sets; set it to false or use vllm")
         if rollout.urls and not self.attach:
             out.append(f"rollout.urls: rollout.engine={self.name} cannot attach to running servers; "
                        "unset urls to start engines, or use vllm")
@@ -96,7 +100,8 @@ def _sglang_kind() -> EngineKind:
     from factory.rollout.sglang import SGLangEngine  # light: httpx only; the server runs elsewhere
 
     return EngineKind("sglang", _sglang, "an SGLang server per engine (a separate venv on CPU, infra/sglang-venv.sh)",
-                      partial_rollouts=SGLangEngine.SUPPORTED_PARTIAL, weight_syncs=SGLangEngine.SUPPORTED_SYNC)
+                      partial_rollouts=SGLangEngine.SUPPORTED_PARTIAL, weight_syncs=SGLangEngine.SUPPORTED_SYNC,
+                      sampling_mask=False)
 
 
 ENGINES.register("sglang", _sglang_kind())
