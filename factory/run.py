@@ -84,8 +84,10 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
                        for i, url in enumerate(urls)]
         trainer = placed(TrainerActor, where.trainer).remote(policy_ref, recipe.algorithm, recipe.train, recipe.rollout)
         # the scoring phase: a teacher grading every trained token (on-policy distillation), if any
-        scorer = (placed(ScorerActor, where.scorer).remote(recipe.algorithm.distill, recipe.rollout)
-                  if recipe.algorithm.distill.teacher else None)
+        distill = recipe.algorithm.distill
+        scorer = (placed(ScorerActor, where.scorer).remote(distill, recipe.rollout,
+                                                           DirBundle.of(distill.teacher, "teacher"))
+                  if distill.teacher else None)
         buffer = placed(BufferActor, where.buffer).remote(
             recipe.name, source.train, recipe.train.groups_per_step, recipe.async_.max_staleness,
             recipe.async_.max_inflight_groups, recipe.algorithm.filter_zero_variance, recipe.train.seed,

@@ -334,12 +334,14 @@ class TrainerActor(Placed):
 
 @ray.remote(num_cpus=0)
 class ScorerActor(Placed):
-    """The scoring phase's model (e.g. a distillation teacher) in its own process."""
+    """The scoring phase's model (e.g. a distillation teacher) in its own process. `teacher`: the teacher
+    model as a DirBundle (shipped by the run) or a path on this node."""
 
-    def __init__(self, distill, rollout):
+    def __init__(self, distill, rollout, teacher: "str | DirBundle"):
         from factory.scoring import make_scorer
 
-        self.scorer = make_scorer(distill, rollout)
+        local = local_dir(teacher, "algorithm.distill.teacher")
+        self.scorer = make_scorer(distill.model_copy(update={"teacher": local}), rollout)
 
     def score(self, batch: Batch):
         from factory.scoring import score_batch
