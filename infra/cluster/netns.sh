@@ -27,7 +27,9 @@ RAY="$(dirname "$PYTHON")/ray"
 HEAD_NS="$NAME-head" NODE_NS="$NAME-node2"
 HEAD_IP="$SUBNET.1" NODE_IP="$SUBNET.2" PORT=6379
 # what every Ray process of either node inherits: no auth on a private link, no usage reports, no hub
-NODE_ENV=(RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 RAY_worker_niceness=0 HF_HUB_OFFLINE=1
+# (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1: a caller that ran a local Ray may have set it to 0, which
+# makes `ray start --address` refuse to join; a driver's RAY_ADDRESS is set only by `run`)
+NODE_ENV=(-u RAY_ADDRESS RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 RAY_worker_niceness=0 HF_HUB_OFFLINE=1
           TOKENIZERS_PARALLELISM=false "FACTORY_HOME=$FACTORY_HOME" "PYTHONPATH=$REPO")
 
 die() { echo "netns.sh: $*" >&2; exit 1; }
