@@ -126,3 +126,10 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def engine_client(url: str) -> httpx.AsyncClient:
+    """The HTTP client an engine talks to its server with: many concurrent requests, connections kept
+    30 s (servers we start keep idle ones longer, so the client never reuses one the server closed)."""
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=30)
+    return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=10), limits=limits)

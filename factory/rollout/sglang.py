@@ -53,7 +53,7 @@ import httpx
 
 from factory.paths import REPO_ROOT, cache_dir, state_dir
 from factory.rollout.engine import AdmissionGate, Generation, SamplingParams
-from factory.rollout.server import EngineStartError, ServerProcess, free_port
+from factory.rollout.server import EngineStartError, ServerProcess, engine_client, free_port
 from factory.rollout.vllm import spans_to_versions
 
 CPU_STAND_IN = Path(__file__).parent / "sglang_cpu"  # the stand-in sgl_kernel (CPU test set-up only)
@@ -222,8 +222,7 @@ class SGLangEngine:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=30)
-            self._client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600, connect=10), limits=limits)
+            self._client = engine_client(self.url)
         return self._client
 
     async def start(self) -> None:

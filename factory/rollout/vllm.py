@@ -34,7 +34,7 @@ import httpx
 
 from factory.paths import REPO_ROOT, cache_dir
 from factory.rollout.engine import AdmissionGate, Generation, SamplingParams, support_from
-from factory.rollout.server import EngineStartError, ServerProcess, free_port  # noqa: F401 (re-exported)
+from factory.rollout.server import EngineStartError, ServerProcess, engine_client, free_port  # noqa: F401 (re-exported)
 from factory.types import NOT_SAMPLED
 
 
@@ -164,8 +164,7 @@ class VLLMEngine:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=30)
-            self._client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600, connect=10), limits=limits)
+            self._client = engine_client(self.url)
         return self._client
 
     async def start(self) -> None:
