@@ -28,7 +28,9 @@ def listening(root_pid: int) -> set[tuple[str, int, str]]:
     out = set()
     for proc in procs:
         try:
-            name = " ".join(proc.cmdline())[:80]
+            # the executable's own name first: a cmdline cut at 80 characters can lose it under a
+            # long install path (CI's raylet showed as ".../ray/rayle")
+            name = f"{proc.name()} {' '.join(proc.cmdline())[:80]}"
             for conn in proc.net_connections(kind="inet"):
                 if conn.status == psutil.CONN_LISTEN:
                     out.add((conn.laddr.ip, conn.laddr.port, name))
