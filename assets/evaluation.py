@@ -27,12 +27,19 @@ def evaluate_checkpoint(recipe, checkpoint: Path, suite: str, n: int | None) -> 
     return evaluate(recipe, checkpoint, suite=suite, n=n)
 
 
+def _digest(recipe, suite: str, n: int) -> str:
+    """Which tasks an evaluation of `n` on `suite` scores (a seeded sample: the same in every run)."""
+    from factory.evaluate import suite_tasks, tasks_digest
+
+    return tasks_digest(suite_tasks(recipe, suite, n))
+
+
 @dg.asset(key=EVALUATION_KEY, partitions_def=RL_RUNS, group_name="evaluation", deps=[RL_RUN_KEY],
           kinds={"ray"}, pool="evaluation", op_tags={KIND_TAG: "evaluation"})
 def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake: LakeResource,
                tracking: TrackingResource, ray: RayResource) -> dg.MaterializeResult:
     """Held-out accuracy of one checkpoint of the run (its latest unless configured). A checkpoint
-    already evaluated on the suite with the same n (e.g. by the run itself after training) is read
+    already evaluated on the same tasks of the suite (e.g. by the run itself after training) is read
     back from the lake instead of evaluated again."""
     key = context.partition_key
     directory = run_dir(key)
@@ -51,11 +58,12 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake
     n = config.n or recipe.eval.heldout
     earlier = find_evaluation(key, step, config.suite, lake.catalog(recipe), lake.namespace_for(recipe)) \
         if recipe.lake.enabled else None
-    reused = earlier is not None and earlier["n"] == n  # e.g. the run's own after-training evaluation
+    # e.g. the run's own after-training evaluation; a row without a digest scored another subset (a prefix)
+    reused = earlier is not None and earlier["n"] == n and earlier.get("tasks_digest") == _digest(recipe, config.suite, n)
     if reused:
         context.log.info(f"{key} step {step}: already evaluated on {n} {config.suite} tasks; read from the lake")
         result = {"mean": earlier["mean"], "stderr": earlier["stderr"], "n": earlier["n"],
-                  "by_family": json.loads(earlier["by_family"] or "{}")}
+                  "by_family": json.loads(earlier["by_family"] or "{}"), "tasks_digest": earlier["tasks_digest"]}
     else:
         with ray.session():
             result = evaluate_checkpoint(recipe, checkpoint, config.suite, n)
@@ -66,6 +74,7 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake
             writer.append("evaluations", [{
                 "run_id": key, "step": step, "version": version, "suite": config.suite, "n": result["n"],
                 "mean": result["mean"], "stderr": result["stderr"], "by_family": json.dumps(result["by_family"]),
+                "tasks_digest": result.get("tasks_digest"),
             }])
     mlflow_run = tracking.find_run(recipe, key)
     if mlflow_run and not reused:

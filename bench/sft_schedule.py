@@ -66,7 +66,7 @@ def main() -> int:
 
     import torch
 
-    from factory.data.tasks import ReasoningGymSource
+    from factory.data.tasks import ReasoningGymSource, seeded_subset
     from factory.envs.base import make_environment
     from factory.model.sft import warm_start
     from factory.model.tiny import build_model, build_tokenizer
@@ -77,7 +77,7 @@ def main() -> int:
     source = ReasoningGymSource.from_recipe(base.data)
     env = make_environment(base.environment)
     train = source.train[: base.model.sft_examples]
-    heldout = source.heldout[: args.heldout]
+    heldout = seeded_subset(source.heldout, args.heldout, base.eval.seed)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         texts = [m["content"] for t in train for m in env.prompt_messages(t)] + [t.answer for t in train]

@@ -7,12 +7,13 @@ stands up its own engine and env worker, so a checkpoint can be scored while tra
 
 from __future__ import annotations
 
+import hashlib
 import tempfile
 from pathlib import Path
 
 import ray
 
-from factory.data.tasks import ReasoningGymSource
+from factory.data.tasks import ReasoningGymSource, seeded_subset
 from factory.recipe import Recipe
 from factory.runtime.actors import EngineActor, EnvWorkerActor, placed
 from factory.runtime.cluster import local_ray
@@ -22,11 +23,22 @@ from factory.runtime.weights import load_bundle
 SUITES = ("heldout", "train")
 
 
+def tasks_digest(tasks) -> str:
+    """12 hex digits naming the set of tasks an evaluation scored (equal digests: the same tasks)."""
+    return hashlib.sha256("\n".join(sorted(t.task_id for t in tasks)).encode()).hexdigest()[:12]
+
+
 def evaluate_workers(workers, tasks, recipe: Recipe, tag: str) -> dict:
-    """One episode per task, sharded over `workers`; mean reward ± standard error, per family."""
+    """One episode per task, sharded over `workers`; mean reward ± standard error, per family, and
+    the digest of the task set."""
     shards = [tasks[i:: len(workers)] for i in range(len(workers))]
     parts = ray.get([w.evaluate.remote(s, recipe.eval.temperature, recipe.rollout.max_new_tokens, f"{tag}-{i}")
                      for i, (w, s) in enumerate(zip(workers, shards)) if s])
+    return {**_merge(parts), "tasks_digest": tasks_digest(tasks)}
+
+
+def _merge(parts: list[dict]) -> dict:
+    """Shard results as one: the pooled mean, and SE = sqrt(Σ (n_i·SE_i)²) / n."""
     if len(parts) == 1:
         return parts[0]
     n = sum(p["n"] for p in parts)
@@ -39,12 +51,17 @@ def evaluate_workers(workers, tasks, recipe: Recipe, tag: str) -> dict:
     return {"mean": mean, "stderr": stderr, "n": n, "by_family": families}
 
 
-def suite_tasks(recipe: Recipe, suite: str = "heldout", n: int | None = None):
+def suite_tasks(recipe: Recipe, suite: str = "heldout", n: int | None = None,
+                source: ReasoningGymSource | None = None):
+    """The tasks an evaluation of `n` (default `eval.heldout`) scores: a sample of the suite seeded by
+    `eval.seed`, so before and after training, and every run of the recipe, score the same tasks."""
     if suite not in SUITES:
         raise ValueError(f"suite: unknown {suite!r}; choose one of {list(SUITES)}")
-    source = ReasoningGymSource.from_recipe(recipe.data)
+    if n is not None and n <= 0:
+        raise ValueError(f"n: expected a positive number of tasks, got {n}")
+    source = source or ReasoningGymSource.from_recipe(recipe.data)
     tasks = source.heldout if suite == "heldout" else source.train
-    return tasks[: n or recipe.eval.heldout]
+    return seeded_subset(tasks, n or recipe.eval.heldout, recipe.eval.seed)
 
 
 def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "heldout", n: int | None = None,

@@ -315,7 +315,10 @@ class TrainSection(Section):
 
 
 class EvalSection(Section):
-    heldout: int = Field(1000, gt=0, description="held-out prompts per evaluation")
+    heldout: int = Field(1000, gt=0, description="held-out prompts per evaluation: a seeded random sample of "
+                         "the held-out split (all of it when data.heldout_size is not larger)")
+    seed: int = Field(0, description="seeds which held-out tasks a subset holds: the same before and after "
+                      "training and in every run of the recipe")
     temperature: float = Field(1.0, gt=0)
     before: bool = True
     after: bool = True

@@ -96,6 +96,7 @@ class RunRecorder:
             self.lake.append("evaluations", [{
                 "run_id": self.run_id, "step": step, "version": version, "suite": suite, "n": result["n"],
                 "mean": result["mean"], "stderr": result["stderr"], "by_family": json.dumps(result["by_family"]),
+                "tasks_digest": result.get("tasks_digest"),
             }])
         if self.tracker is not None:
             self.tracker.log_metrics(step, {f"eval/{suite}_mean": result["mean"], f"eval/{suite}_stderr": result["stderr"]})

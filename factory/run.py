@@ -21,7 +21,7 @@ from typing import Callable
 import ray
 
 from factory.data.tasks import ReasoningGymSource
-from factory.evaluate import evaluate_workers
+from factory.evaluate import evaluate_workers, suite_tasks
 from factory.model.sft import ensure_base_policy
 from factory.recipe import Recipe
 from factory.recording import RunRecorder
@@ -66,7 +66,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
     phase("base policy (build + SFT warm start, cached)")
     policy = resume_from or ensure_base_policy(recipe, on_sft_step)
     source = ReasoningGymSource.from_recipe(recipe.data)
-    heldout = source.heldout[: recipe.eval.heldout]
+    heldout = suite_tasks(recipe, "heldout", source=source)  # a seeded sample, never a prefix
 
     with local_ray():
         phase("starting engines, trainer, buffer, env workers")

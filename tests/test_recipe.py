@@ -149,7 +149,7 @@ MALFORMED = [
     ("unknown_nested_field", "train:\n  lrr: 0.1\n", [],
      ["{file}: train.lrr: unknown field; did you mean 'lr'?"]),
     ("unknown_field_without_close_match", "eval:\n  zzz: 1\n", [],
-     ["{file}: eval.zzz: unknown field; known fields: heldout, temperature, before, after"]),
+     ["{file}: eval.zzz: unknown field; known fields: heldout, seed, temperature, before, after"]),
     ("wrong_type", "train:\n  steps: many\n", [],
      ["{file}: train.steps: expected an integer, got 'many'"]),
     ("fraction_for_integer", "train:\n  steps: 2.5\n", [],

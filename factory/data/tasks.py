@@ -113,6 +113,20 @@ class ReasoningGymSource:
         return self._generate("train", self.train_size, exclude={_question_key(t) for t in self.heldout})
 
 
+def seeded_subset(tasks: list[Task], n: int | None, seed: int) -> list[Task]:
+    """`n` tasks drawn uniformly without replacement by a seeded shuffle (all of them when `n` is None
+    or at least their number): the same tasks for the same seed, in every process and run.
+
+    Never a prefix: a split is generated family by family, and within a family the small, easy
+    questions run out first (each question is kept once), so the first n are a different mix.
+    A smaller n's subset is contained in a larger one's (both are prefixes of one permutation)."""
+    if n is None or n >= len(tasks):
+        return list(tasks)
+    order = list(range(len(tasks)))
+    random.Random(f"eval-subset/{seed}").shuffle(order)
+    return [tasks[i] for i in order[:n]]
+
+
 class TaskSampler:
     """Cycles through tasks in a seeded shuffled order; `state_dict` is its exact position."""
 

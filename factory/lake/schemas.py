@@ -134,7 +134,7 @@ _STEPS = _schema([
 _EVALUATIONS = _schema([
     ("run_id", _S, True), ("step", _I, True), ("version", _I, False), ("suite", _S, True),
     ("n", _I, False), ("mean", _D, False), ("stderr", _D, False), ("by_family", _S, False),
-    ("time", _T, False),
+    ("time", _T, False), ("tasks_digest", _S, False),
 ])
 _CHECKPOINTS = _schema([
     ("run_id", _S, True), ("step", _I, True), ("version", _I, False), ("path", _S, False),

@@ -41,13 +41,18 @@ def test_no_trained_sample_is_older_than_eta(engine, tmp_path, eta):
 
 
 def test_evaluate_checkpoint_scores_a_saved_policy(engine, tmp_path):
-    from factory.evaluate import evaluate_checkpoint
+    from factory.data.tasks import ReasoningGymSource
+    from factory.evaluate import evaluate_checkpoint, suite_tasks, tasks_digest
 
-    recipe = small_recipe("train.steps=2", "eval.before=false", "eval.after=false")
-    run(recipe, tmp_path, engines=[engine])
+    recipe = small_recipe("train.steps=2", "eval.heldout=48")
+    results = run(recipe, tmp_path, engines=[engine])
     ckpt = tmp_path / "checkpoints" / "step-000002"
     result = evaluate_checkpoint(recipe, ckpt, "heldout", n=48, engines=[engine])
     assert result["n"] == 48 and 0.0 <= result["mean"] <= 1.0
+    # before and after training, and a later `factory evaluate --n 48`, score one seeded sample
+    subset = tasks_digest(suite_tasks(recipe, "heldout", n=48))
+    assert results["before"]["tasks_digest"] == results["after"]["tasks_digest"] == result["tasks_digest"] == subset
+    assert subset != tasks_digest(ReasoningGymSource.from_recipe(recipe.data).heldout[:48])
     assert set(result["by_family"]) == {"basic_arithmetic"}
     # rewards lie in [0, 1] (the verifier gives partial credit too): the sample sd is at most 1/2
     assert 0.0 <= result["stderr"] <= 0.5 / 47 ** 0.5 + 1e-12
