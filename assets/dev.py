@@ -49,7 +49,7 @@ class DagsterDev:
     def start(self, timeout_s: float = 180) -> None:
         env = {**os.environ, "FACTORY_HOME": str(self.home), "DAGSTER_HOME": str(self.dagster_home),
                "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        for name in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FACTORY_DEPLOYMENT"):
+        for name in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FACTORY_PROFILE", "FACTORY_ENV_FILE"):
             env.pop(name, None)
         with open(self.log, "wb") as log:
             # its own session: teardown stops dagster dev and every process it started, and nothing else

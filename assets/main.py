@@ -100,7 +100,7 @@ def materialize(recipe_file: str, overrides: list[str]) -> int:
 def _tracking_uri(recipe: Recipe) -> str:
     from factory.tracking import default_tracking_uri
 
-    return recipe.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+    return recipe.tracking.uri or default_tracking_uri()
 
 
 def print_next_steps(recipe: Recipe, key: str, dagster_run_id: str) -> None:

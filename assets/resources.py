@@ -1,9 +1,10 @@
-"""Resources: the lake, MLflow tracking and Ray, injected into assets and swapped by deployment.
+"""Resources: the lake, MLflow tracking and Ray, injected into assets.
 
-`FACTORY_DEPLOYMENT=local` (default) is the embedded stack: a SQLite Iceberg catalog and a SQLite
-MLflow store under the state dir, and a loopback Ray started by each run. `production` reads the
-servers from the environment: FACTORY_LAKE_CATALOG_URI and FACTORY_LAKE_WAREHOUSE (a REST Iceberg
-catalog), MLFLOW_TRACKING_URI and RAY_ADDRESS. Only configuration changes, never code.
+Where they point is the profile's business (`factory.profile`, switched by FACTORY_PROFILE): empty
+fields mean "the profile's service" — embedded: a SQLite Iceberg catalog and a SQLite MLflow store
+under the state dir and a loopback Ray per run; production: the catalog on PostgreSQL with the
+warehouse on S3, an MLflow server and a Ray cluster. Fields set here (in the Dagster UI's launchpad,
+say) override the profile for one run. Only configuration changes, never code.
 """
 
 from __future__ import annotations
@@ -20,11 +21,8 @@ from factory.recipe import Recipe
 if TYPE_CHECKING:
     from factory.progress import RunProgress
 
-DEPLOYMENT_ENV = "FACTORY_DEPLOYMENT"
-
-
 class LakeResource(dg.ConfigurableResource):
-    """The Iceberg trajectory lake. Empty catalog fields: the embedded SQLite catalog under the state dir."""
+    """The Iceberg trajectory lake. Empty catalog fields: the profile's catalog."""
 
     catalog_type: str = Field("", description="PyIceberg catalog type (sql, rest, glue, hive); empty: embedded")
     catalog_uri: str = Field("", description="catalog URI, e.g. http://iceberg-rest:8181")
@@ -67,7 +65,7 @@ class LakeResource(dg.ConfigurableResource):
 
 
 class TrackingResource(dg.ConfigurableResource):
-    """MLflow. Empty uri: the recipe's tracking.uri, else $MLFLOW_TRACKING_URI, else SQLite under the state dir."""
+    """MLflow. Empty uri: the recipe's tracking.uri, else the profile's (a server, or SQLite under the state dir)."""
 
     uri: str = Field("", description="MLflow tracking URI, e.g. http://mlflow:5000")
 
@@ -90,9 +88,9 @@ class TrackingResource(dg.ConfigurableResource):
 
 
 class RayResource(dg.ConfigurableResource):
-    """Where runs get their Ray. Empty address: each run starts a local Ray bound to 127.0.0.1."""
+    """Where runs get their Ray. Empty address: the profile's (embedded: a local Ray per run on 127.0.0.1)."""
 
-    address: str = Field("", description="a Ray cluster (ray://head:10001 or auto); empty: local Ray per run")
+    address: str = Field("", description="a Ray cluster (head:6379 or auto); empty: the profile's")
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -129,27 +127,11 @@ class ProgressResource(dg.ConfigurableResource):
             yield progress
 
 
-def local_resources() -> dict[str, dg.ConfigurableResource]:
+def resources_for() -> dict[str, dg.ConfigurableResource]:
+    """The resources of the code location, after loading the profile ($FACTORY_PROFILE, one line
+    naming what to fix when it is wrong or its env file is missing)."""
+    from factory import profile
+
+    profile.activate()
     return {"lake": LakeResource(), "tracking": TrackingResource(), "ray": RayResource(),
             "progress": ProgressResource()}
-
-
-def production_resources() -> dict[str, dg.ConfigurableResource]:
-    return {
-        "lake": LakeResource(catalog_type="rest", catalog_uri=dg.EnvVar("FACTORY_LAKE_CATALOG_URI"),
-                             warehouse=dg.EnvVar("FACTORY_LAKE_WAREHOUSE")),
-        "tracking": TrackingResource(uri=dg.EnvVar("MLFLOW_TRACKING_URI")),
-        "ray": RayResource(address=dg.EnvVar("RAY_ADDRESS")),
-        "progress": ProgressResource(),
-    }
-
-
-DEPLOYMENTS = {"local": local_resources, "production": production_resources}
-
-
-def resources_for(deployment: str | None = None) -> dict[str, dg.ConfigurableResource]:
-    """The resources of `deployment` (default: $FACTORY_DEPLOYMENT, else local)."""
-    name = deployment or os.environ.get(DEPLOYMENT_ENV) or "local"
-    if name not in DEPLOYMENTS:
-        raise ValueError(f"{DEPLOYMENT_ENV}={name!r}: choose one of {', '.join(DEPLOYMENTS)}")
-    return DEPLOYMENTS[name]()

@@ -20,9 +20,10 @@ def _fail(message: str, code: int = 2) -> int:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Failures a user fixes by changing the recipe, a path or the cluster: one line, no traceback."""
     from factory.rollout.vllm import EngineStartError
-    from factory.runtime.cluster import PlacementError
+    from factory.profile import ProfileError
+    from factory.runtime.cluster import ClusterUnreachable, PlacementError
 
-    return (EngineStartError, PlacementError, FileNotFoundError)
+    return (EngineStartError, PlacementError, ClusterUnreachable, ProfileError, FileNotFoundError)
 
 
 def _cause(err: BaseException) -> str:

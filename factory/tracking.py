@@ -1,7 +1,8 @@
 """RunTracker: one MLflow run per RL run — flattened recipe as params, step metrics, plots, artifacts.
 
-Store: the tracking URI given (from the recipe), else $MLFLOW_TRACKING_URI (a server), else a
-SQLite store at `<state>/mlflow/mlflow.db` with artifacts under `<state>/mlflow/artifacts`.
+Store: the tracking URI given (from the recipe), else the production profile's tracking server,
+else $MLFLOW_TRACKING_URI, else a SQLite store at `<state>/mlflow/mlflow.db` with artifacts under
+`<state>/mlflow/artifacts`.
 A resumed RL run continues its MLflow run (`start(..., resume_run_id=...)`), so its curves stay one.
 """
 
@@ -28,6 +29,7 @@ from mlflow.utils.validation import (  # noqa: E402
     MAX_TAG_VAL_LENGTH,
 )
 
+from factory import profile  # noqa: E402
 from factory.paths import state_dir  # noqa: E402
 
 DEFAULT_EXPERIMENT = "factory"
@@ -37,7 +39,11 @@ THROUGHPUT_METRIC = "perf/samples_per_s"
 
 
 def default_tracking_uri() -> str:
-    """`sqlite:///<state>/mlflow/mlflow.db` (created on first use)."""
+    """The profile's tracking server, else $MLFLOW_TRACKING_URI, else `sqlite:///<state>/mlflow/mlflow.db`
+    (created on first use)."""
+    server = profile.tracking_uri() or os.environ.get("MLFLOW_TRACKING_URI")
+    if server:
+        return server
     root = state_dir() / "mlflow"
     root.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{root / 'mlflow.db'}"
@@ -67,7 +73,7 @@ class RunTracker:
     """One MLflow run for one RL run: `start` → `log_metrics`/`log_artifact`/`log_plots` → `end`."""
 
     def __init__(self, tracking_uri: str | None = None, experiment: str = DEFAULT_EXPERIMENT) -> None:
-        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+        uri = tracking_uri or default_tracking_uri()
         self.tracking_uri = uri
         self._client: MlflowClient | None = None
         self.experiment = experiment

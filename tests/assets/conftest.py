@@ -16,7 +16,7 @@ FAILING_OVERRIDES = ["model.path=/nonexistent/model", "lake.enabled=false", "tra
 def state(tmp_path, monkeypatch):
     home = tmp_path / "state"
     monkeypatch.setenv("FACTORY_HOME", str(home))
-    monkeypatch.delenv("FACTORY_DEPLOYMENT", raising=False)
+    monkeypatch.delenv("FACTORY_PROFILE", raising=False)
     return home
 
 

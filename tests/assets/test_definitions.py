@@ -33,13 +33,15 @@ def test_rl_run_job_is_not_retried_by_dagster(defs):
     assert defs.resolve_job_def("rl_run_job").tags["dagster/max_retries"] == "0"
 
 
-def test_deployments_swap_resources(monkeypatch):
-    local = resources_for("local")
-    assert local["lake"].catalog_props() == {} and local["tracking"].uri == "" and local["ray"].address == ""
-    production = resources_for("production")
-    assert isinstance(production["lake"], LakeResource) and isinstance(production["tracking"], TrackingResource)
-    monkeypatch.setenv("FACTORY_DEPLOYMENT", "staging")
-    with pytest.raises(ValueError, match="FACTORY_DEPLOYMENT='staging'"):
+def test_resources_defer_to_the_profile_and_a_bad_profile_says_what_to_fix(monkeypatch, tmp_path):
+    resources = resources_for()
+    assert resources["lake"].catalog_props() == {} and resources["tracking"].uri == "" and resources["ray"].address == ""
+    monkeypatch.setenv("FACTORY_PROFILE", "staging")
+    with pytest.raises(ValueError, match="FACTORY_PROFILE='staging': choose one of embedded, production"):
+        resources_for()
+    monkeypatch.setenv("FACTORY_PROFILE", "production")
+    monkeypatch.setenv("FACTORY_ENV_FILE", str(tmp_path / "missing.env"))
+    with pytest.raises(ValueError, match="missing.env does not exist: create it from .*env.example"):
         resources_for()
 
 

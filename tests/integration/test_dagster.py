@@ -226,7 +226,7 @@ def test_main_materializes_the_asset_graph_in_process(policy, tmp_path, monkeypa
 
     home = tmp_path / "state"
     env = {**os.environ, "FACTORY_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    for name in ("DAGSTER_HOME", "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FACTORY_DEPLOYMENT"):
+    for name in ("DAGSTER_HOME", "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FACTORY_PROFILE", "FACTORY_ENV_FILE"):
         env.pop(name, None)
     command = [sys.executable, "-m", "assets", "materialize", "recipes/default.yaml",
                *overrides(policy, "train.steps=2", "eval.heldout=16")]
