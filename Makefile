@@ -2,7 +2,7 @@
 STATE ?= $(CURDIR)/.state
 PY := $(STATE)/venv/bin/python
 
-.PHONY: setup sglang-venv main test bench cluster-demo
+.PHONY: setup sglang-venv main test bench cluster-demo production-up production-down
 
 setup:
 	bash infra/setup.sh
@@ -17,8 +17,11 @@ main: setup
 sglang-venv:
 	bash infra/sglang-venv.sh
 
+# Two steps: the suite, then the production profile's end-to-end test (tests/infra: Postgres, S3,
+# MLflow server, Ray head, Dagster webserver + daemon; ~6 min) in a pytest session of its own.
 test: setup sglang-venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/infra
+	$(PY) -m pytest -q tests/infra
 
 bench: setup
 	$(PY) bench/async_speedup.py
@@ -34,3 +37,11 @@ cluster-demo: setup
 	FACTORY_HOME=$(CLUSTER_HOME) bash infra/cluster/netns.sh run $(PY) -m factory.cli run recipes/two_node.yaml \
 	  model.path=$(CLUSTER_HOME)/models/policy train.steps=20 eval.heldout=200 \
 	  ; status=$$?; FACTORY_HOME=$(CLUSTER_HOME) bash infra/cluster/netns.sh down; exit $$status
+
+# The production profile's services on this machine (Postgres, s3rver, MLflow server, Ray head,
+# Dagster webserver + daemon + code server) under one supervisor; README "Production".
+production-up: setup
+	$(PY) -m infra.stack up
+
+production-down:
+	$(PY) -m infra.stack down

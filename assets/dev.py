@@ -1,5 +1,7 @@
-"""A `dagster dev` (webserver + daemon + code server, via `python -m assets`) on a given state dir,
-driven through its GraphQL API: what the integration tests and `docs/screenshots.py` talk to."""
+"""A Dagster webserver's GraphQL API as the UI uses it (`DagsterClient`: launch, runs, events,
+sensors, materializations), and a `dagster dev` (webserver + daemon + code server, via `python -m
+assets`) on a given state dir driven through it (`DagsterDev`): what the integration tests, the
+production profile's test and `docs/screenshots.py` talk to."""
 
 from __future__ import annotations
 
@@ -26,40 +28,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class DagsterDev:
-    """`python -m assets -p PORT` with FACTORY_HOME=`home` and DAGSTER_HOME=`home`/dagster.
+class DagsterClient:
+    """One client of a Dagster webserver's GraphQL API at `url` (…/graphql)."""
 
-    The instance is the repo's dagster.yaml with a short run-monitoring poll interval (so a run
-    whose worker is killed is marked failed within seconds, not the default's 30 s).
-    """
-
-    def __init__(self, home: Path, monitoring_poll_s: int = 5):
-        self.home = home
-        self.dagster_home = home / "dagster"
-        self.dagster_home.mkdir(parents=True, exist_ok=True)
-        config = yaml.safe_load((REPO_ROOT / "dagster.yaml").read_text())
-        config["run_monitoring"]["poll_interval_seconds"] = monitoring_poll_s
-        (self.dagster_home / "dagster.yaml").write_text(yaml.safe_dump(config))
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/graphql"
-        self.log = home / "dagster-dev.log"
-        self.process: subprocess.Popen | None = None
+    def __init__(self, url: str):
+        self.url = url
         self.location = self.repository = ""
+        self.log: Path | str = url  # where to look when something times out
 
-    def start(self, timeout_s: float = 180) -> None:
-        env = {**os.environ, "FACTORY_HOME": str(self.home), "DAGSTER_HOME": str(self.dagster_home),
-               "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        for name in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FACTORY_PROFILE", "FACTORY_ENV_FILE"):
-            env.pop(name, None)
-        with open(self.log, "wb") as log:
-            # its own session: teardown stops dagster dev and every process it started, and nothing else
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "assets", "-p", str(self.port)], cwd=REPO_ROOT, env=env,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    def wait_ready(self, timeout_s: float = 180, process: subprocess.Popen | None = None) -> None:
+        """Until the code location is loaded and the daemons that launch and watch runs are healthy."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"dagster dev exited ({self.process.returncode}); see {self.log}")
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"dagster exited ({process.returncode}); see {self.log}")
             try:
                 repos = self.query("{ repositoriesOrError { ... on RepositoryConnection { nodes { name "
                                    "location { name } } } } }")["repositoriesOrError"].get("nodes", [])
@@ -72,19 +54,8 @@ class DagsterDev:
             except (httpx.HTTPError, RuntimeError):
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"dagster dev did not come up in {timeout_s} s; see {self.log}")
+                raise TimeoutError(f"dagster at {self.url} was not ready in {timeout_s} s; see {self.log}")
             time.sleep(1)
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        pgid = os.getpgid(self.process.pid)  # == its pid: it leads the session it was started in
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.process.wait(timeout=30)
 
     # ---- GraphQL -----------------------------------------------------------------------------
 
@@ -189,3 +160,46 @@ class DagsterDev:
             m["metadata"] = {e["label"]: next((v for k, v in e.items() if k != "label"), None)
                              for e in m.pop("metadataEntries")}
         return found
+
+
+class DagsterDev(DagsterClient):
+    """`python -m assets -p PORT` with FACTORY_HOME=`home` and DAGSTER_HOME=`home`/dagster.
+
+    The instance is the repo's dagster.yaml with a short run-monitoring poll interval (so a run
+    whose worker is killed is marked failed within seconds, not the default's 30 s).
+    """
+
+    def __init__(self, home: Path, monitoring_poll_s: int = 5):
+        self.home = home
+        self.dagster_home = home / "dagster"
+        self.dagster_home.mkdir(parents=True, exist_ok=True)
+        config = yaml.safe_load((REPO_ROOT / "dagster.yaml").read_text())
+        config["run_monitoring"]["poll_interval_seconds"] = monitoring_poll_s
+        (self.dagster_home / "dagster.yaml").write_text(yaml.safe_dump(config))
+        self.port = free_port()
+        super().__init__(f"http://127.0.0.1:{self.port}/graphql")
+        self.log = home / "dagster-dev.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 180) -> None:
+        env = {**os.environ, "FACTORY_HOME": str(self.home), "DAGSTER_HOME": str(self.dagster_home),
+               "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        for name in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FACTORY_PROFILE", "FACTORY_ENV_FILE"):
+            env.pop(name, None)
+        with open(self.log, "wb") as log:
+            # its own session: teardown stops dagster dev and every process it started, and nothing else
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "assets", "-p", str(self.port)], cwd=REPO_ROOT, env=env,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_ready(timeout_s, self.process)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        pgid = os.getpgid(self.process.pid)  # == its pid: it leads the session it was started in
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.process.wait(timeout=30)

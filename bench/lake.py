@@ -16,6 +16,12 @@
    With `--maintain`, `factory.lake.maintenance.maintain` (compaction, expiry, orphan files)
    runs on the samples table at the end: its time, files before/after, and a full scan before/after.
 
+Each part runs on every backend of `--backends`, side by side: `embedded` (SQLite catalog, local
+warehouse: the default profile) and `production` (the production profile's SQL catalog on
+PostgreSQL with the warehouse on S3 (s3rver), both started for the benchmark by infra/stack.py on
+free loopback ports and stopped after; each part gets a fresh namespace). Ratios production /
+embedded are printed and saved.
+
 Rows: 32 prompt tokens, 96 completion tokens (logprobs, versions, mask) each. Results:
 bench/results/lake.json.
 """
@@ -30,7 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -53,16 +59,26 @@ def rows(run_id: str, batch: int, n: int) -> list[dict]:
              "trained_step": batch, "trained_version": batch // 4, "staleness": 0} for j in range(n)]
 
 
+BACKEND = {"name": "embedded"}  # the backend the parts run on (main sets it)
+
+
 @contextmanager
 def fresh_lake():
-    """A temp state dir with a new SQLite catalog; yields the catalog."""
+    """Yields (catalog, namespace) of an empty lake: embedded, a temp state dir with a new SQLite
+    catalog; production, a new namespace in the running stack's Postgres catalog on S3."""
+    import uuid
+
+    from factory.lake import open_catalog
+
+    if BACKEND["name"] == "production":
+        namespace = f"bench_{uuid.uuid4().hex[:8]}"
+        yield open_catalog(namespace=namespace), namespace
+        return
     with tempfile.TemporaryDirectory(prefix="lake-bench-") as home:
         before = os.environ.get("FACTORY_HOME")
         os.environ["FACTORY_HOME"] = home
         try:
-            from factory.lake import open_catalog
-
-            yield open_catalog()
+            yield open_catalog(), "factory"
         finally:
             if before is None:
                 os.environ.pop("FACTORY_HOME", None)
@@ -70,14 +86,39 @@ def fresh_lake():
                 os.environ["FACTORY_HOME"] = before
 
 
+@contextmanager
+def production_stack():
+    """Postgres + s3rver of the production profile on free ports, for the benchmark's duration."""
+    from infra.stack import down, free_port_settings, up, write_env_file
+
+    root = Path(tempfile.mkdtemp(prefix="factory-lake-bench-"))
+    root.chmod(0o755)  # the postgres account enters it
+    env_file = write_env_file(root / ".env", free_port_settings())
+    saved = {k: os.environ.get(k) for k in ("FACTORY_PROFILE", "FACTORY_ENV_FILE")}
+    try:
+        up(env_file, root / "stack", only=["postgres", "s3"])
+        os.environ.update({"FACTORY_PROFILE": "production", "FACTORY_ENV_FILE": str(env_file)})
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        down(root / "stack")
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def ingest(samples: int, append_rows: int, progress: Progress) -> dict:
     from factory.lake import TrajectoryWriter
 
     appends = samples // append_rows
     batches = [rows("ingest", i, append_rows) for i in range(appends)]  # built before the clock starts
-    with fresh_lake() as catalog:
-        writer = TrajectoryWriter(catalog, run_id="ingest")
-        task = progress.add_task("ingest", total=appends)
+    with fresh_lake() as (catalog, namespace):
+        writer = TrajectoryWriter(catalog, namespace, run_id="ingest")
+        task = progress.add_task(f"ingest ({BACKEND['name']})", total=appends)
         started = time.perf_counter()
         append_s = 0.0
         for batch in batches:
@@ -89,7 +130,7 @@ def ingest(samples: int, append_rows: int, progress: Progress) -> dict:
         wall = time.perf_counter() - started
         metrics = writer.metrics()
         writer.close()
-        table = catalog.load_table(("factory", "samples"))
+        table = catalog.load_table((namespace, "samples"))
         stored = table.scan(selected_fields=("sample_id",)).to_arrow().num_rows
     return {"samples": appends * append_rows, "rows_per_append": append_rows, "stored": stored,
             "wall_s": wall, "samples_per_s": appends * append_rows / wall,
@@ -103,13 +144,14 @@ def commit_latency(setting: str, commits: int, n_rows: int, maintain_after: bool
 
     expire_every, _, option = setting.partition("/")
     expire_every, merge = int(expire_every), option != "nomerge"
-    with fresh_lake() as catalog:
+    with fresh_lake() as (catalog, namespace):
         if not merge:
-            with catalog.load_table(("factory", "samples")).transaction() as tx:
+            with catalog.load_table((namespace, "samples")).transaction() as tx:
                 tx.set_properties({"commit.manifest-merge.enabled": "false"})
-        writer = TrajectoryWriter(catalog, run_id="bench", batch_rows=10**9, flush_interval_s=3600,
+        writer = TrajectoryWriter(catalog, namespace, run_id="bench", batch_rows=10**9, flush_interval_s=3600,
                                   expire_every=expire_every)
-        label = (f"expire every {expire_every}" if expire_every else "no expiry") + ("" if merge else ", no merge")
+        label = (f"expire every {expire_every}" if expire_every else "no expiry") + ("" if merge else ", no merge") \
+            + f" ({BACKEND['name']})"
         task = progress.add_task(label, total=commits)
         latencies = []
         started = time.perf_counter()
@@ -122,15 +164,15 @@ def commit_latency(setting: str, commits: int, n_rows: int, maintain_after: bool
         wall = time.perf_counter() - started
         retries = writer.metrics()["lake/retries"]
         writer.close()
-        table = catalog.load_table(("factory", "samples"))
+        table = catalog.load_table((namespace, "samples"))
         result = {
             "setting": setting, "expire_every": expire_every, "manifest_merge": merge, "commits": commits,
             "rows_per_commit": n_rows, "wall_s": wall, "rows_per_s": commits * n_rows / wall, "retries": retries,
             "snapshots_at_end": len(table.metadata.snapshots),
             "manifests_at_end": len(table.current_snapshot().manifests(table.io)),
-            "metadata_json_bytes_at_end": Path(table.metadata_location.removeprefix("file://")).stat().st_size,
+            "metadata_json_bytes_at_end": table.io.new_input(table.metadata_location).get_length(),
         }
-        if maintain_after:
+        if maintain_after and BACKEND["name"] == "embedded":  # orphan removal: local warehouses only
             result["maintenance"] = maintain(catalog)
     ordered = sorted(latencies)
     result.update({
@@ -165,6 +207,20 @@ def maintain(catalog) -> dict:
     return {"seconds": seconds, "before": before, "after": after, "report": report}
 
 
+def production_over_embedded(per_backend: dict[str, dict]) -> dict[str, float]:
+    """Ratios of the production lake's figures to the embedded one's, measured in this run."""
+    if not {"embedded", "production"} <= set(per_backend):
+        return {}
+    emb, prod = per_backend["embedded"], per_backend["production"]
+    ratios = {}
+    if "ingest" in emb and "ingest" in prod:
+        ratios["ingest_samples_per_s"] = prod["ingest"]["samples_per_s"] / emb["ingest"]["samples_per_s"]
+    for e, p in zip(emb["commit_latency"], prod["commit_latency"]):
+        for mark, ms in e["at_commit_ms"].items():
+            ratios[f"commit_ms_at_{mark}[{e['setting']}]"] = p["at_commit_ms"][mark] / ms
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=64_000, help="samples ingested in part 1 (0 skips it)")
@@ -174,35 +230,48 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=["20"],
                         help="expiry period in commits (0: none), optionally /nomerge; e.g. 0 20 20/nomerge")
     parser.add_argument("--maintain", action="store_true", help="run compaction etc. after each setting")
+    parser.add_argument("--backends", nargs="+", default=["embedded", "production"],
+                        choices=["embedded", "production"], help="lakes to measure side by side")
     args = parser.parse_args()
 
     console = Console(width=140)
-    results: dict = {}
-    with Progress(TextColumn("{task.description:>16}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+    per_backend: dict[str, dict] = {}
+    with Progress(TextColumn("{task.description:>32}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=console) as progress:
-        if args.samples:
-            results["ingest"] = ingest(args.samples, args.append_rows, progress)
-        results["commit_latency"] = [commit_latency(s, args.commits, args.rows, args.maintain, progress)
-                                     for s in args.settings]
+        for backend in args.backends:
+            BACKEND["name"] = backend
+            with production_stack() if backend == "production" else nullcontext():
+                results: dict = {}
+                if args.samples:
+                    results["ingest"] = ingest(args.samples, args.append_rows, progress)
+                results["commit_latency"] = [commit_latency(s, args.commits, args.rows, args.maintain, progress)
+                                             for s in args.settings]
+            per_backend[backend] = results
 
-    if "ingest" in results:
-        r = results["ingest"]
-        console.print(f"ingest: {r['samples']} samples in {r['wall_s']:.1f} s = [bold]{r['samples_per_s']:.0f} "
-                      f"samples/s[/bold] ({r['commits']} commits of ~{r['rows_per_commit']:.0f} rows, "
-                      f"{r['commit_ms_mean']:.0f} ms each; append {r['append_us_per_row']:.0f} µs/row)")
+    for backend, results in per_backend.items():
+        if "ingest" in results:
+            r = results["ingest"]
+            console.print(f"ingest ({backend}): {r['samples']} samples in {r['wall_s']:.1f} s = [bold]"
+                          f"{r['samples_per_s']:.0f} samples/s[/bold] ({r['commits']} commits of "
+                          f"~{r['rows_per_commit']:.0f} rows, {r['commit_ms_mean']:.0f} ms each; append "
+                          f"{r['append_us_per_row']:.0f} µs/row)")
     table = Table(title=f"commit latency, {args.commits} commits × {args.rows} rows")
-    columns = ["setting", *(f"@{m} ms" for m in MARKS if m <= args.commits), "p50 ms", "p99 ms", "first 50 ms",
+    columns = ["lake", "setting", *(f"@{m} ms" for m in MARKS if m <= args.commits), "p50 ms", "p99 ms", "first 50 ms",
                "last 50 ms", "rows/s", "snapshots", "manifests"]
     for column in columns:
         table.add_column(column, justify="right")
-    for r in results["commit_latency"]:
+    rows_out = [(backend, r) for backend, results in per_backend.items() for r in results["commit_latency"]]
+    for backend, r in rows_out:
         label = ("no expiry" if not r["expire_every"] else f"expire every {r['expire_every']}") + \
             ("" if r["manifest_merge"] else ", no merge")
-        table.add_row(label, *(f"{v:.1f}" for v in r["at_commit_ms"].values()), f"{r['p50_ms']:.1f}",
+        table.add_row(backend, label, *(f"{v:.1f}" for v in r["at_commit_ms"].values()), f"{r['p50_ms']:.1f}",
                       f"{r['p99_ms']:.1f}", f"{r['first50_mean_ms']:.1f}", f"{r['last50_mean_ms']:.1f}",
                       f"{r['rows_per_s']:.0f}", str(r["snapshots_at_end"]), str(r["manifests_at_end"]))
     console.print(table)
-    for r in results["commit_latency"]:
+    ratios = production_over_embedded(per_backend)
+    if ratios:
+        console.print("production / embedded: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    for _, r in rows_out:
         m = r.get("maintenance")
         if m:
             console.print(f"maintain ({r['setting']}): {m['seconds']:.1f} s; data files {m['before']['data_files']} → "
@@ -218,7 +287,9 @@ def main() -> None:
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
                     "load_avg_at_end": os.getloadavg(), "pyiceberg": pyiceberg.__version__,
                     "duckdb": duckdb.__version__},
-        "settings": vars(args), **results,
+        "settings": vars(args), **per_backend.get("embedded", {}),
+        **({"production": per_backend["production"]} if "production" in per_backend else {}),
+        "production_over_embedded": ratios,
     }, indent=1) + "\n")
     console.print(f"wrote {RESULTS}")
 

@@ -30,3 +30,7 @@ if [ "$(id -u)" = 0 ]; then
 else
   echo "setup: not root: skipping the sandbox packages (see .ci/sandbox-setup.sh)" >&2
 fi
+
+# the production profile's services (PostgreSQL from Debian, s3rver into the venv): tests/infra runs them
+S3RVER_DIR="$VENV/s3rver" bash infra/production/install.sh \
+  || echo "setup: the production profile's services are not installed (see infra/production/install.sh)" >&2

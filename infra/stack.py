@@ -83,6 +83,19 @@ def write_env_file(path: Path, overrides: dict[str, str] | None = None) -> Path:
     return path
 
 
+def free_port_settings(host: str = "127.0.0.1") -> dict[str, str]:
+    """Env-file overrides that put every service on a free port of `host` (a test's or benchmark's
+    stack beside a user's own)."""
+    def free() -> int:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+
+    return {"FACTORY_PG_PORT": str(free()), "FACTORY_S3_ENDPOINT": f"http://{host}:{free()}",
+            "MLFLOW_TRACKING_URI": f"http://{host}:{free()}", "RAY_ADDRESS": f"{host}:{free()}",
+            "FACTORY_DAGSTER_PORT": str(free()), "FACTORY_DAGSTER_GRPC_PORT": str(free())}
+
+
 def settings(env_file: Path) -> dict[str, str]:
     """The env file's values, each overridden by the environment's (the profile's precedence)."""
     if not env_file.is_file():
@@ -148,7 +161,8 @@ def as_postgres_user() -> list[str]:
 
 
 class Stack:
-    def __init__(self, env_file: Path, directory: Path):
+    def __init__(self, env_file: Path, directory: Path, only: list[str] | None = None):
+        self.only = only  # a subset of the services (e.g. postgres and s3 for bench/lake.py); None: all
         self.env_file = env_file.resolve()
         self.dir = directory.resolve()
         self.logs = self.dir / "logs"
@@ -304,7 +318,7 @@ class Stack:
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
         try:
             self.prepare()
-            self.services = self.build()
+            self.services = [s for s in self.build() if self.only is None or s.name in self.only]
             for service in self.services:
                 if self.stopping:
                     break
@@ -384,7 +398,7 @@ def alive(pid: int | None) -> bool:
         return False
 
 
-def up(env_file: Path, directory: Path, timeout_s: float = 300) -> dict:
+def up(env_file: Path, directory: Path, timeout_s: float = 300, only: list[str] | None = None) -> dict:
     state = read_state(directory)
     if state and alive(state["supervisor"]):
         raise StackError(f"a stack already runs from {directory} (supervisor pid {state['supervisor']}); "
@@ -397,7 +411,8 @@ def up(env_file: Path, directory: Path, timeout_s: float = 300) -> dict:
     (directory / "stack.json").unlink(missing_ok=True)
     with open(directory / "supervisor.log", "ab") as log:
         supervisor = subprocess.Popen([sys.executable, "-m", "infra.stack", "supervise", "--env-file", str(env_file),
-                                       "--dir", str(directory)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                       "--dir", str(directory), *(["--only", ",".join(only)] if only else [])],
+                                      cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -448,14 +463,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["up", "down", "status", "supervise"])
     parser.add_argument("--env-file", type=Path, default=None, help="default: $FACTORY_ENV_FILE or infra/.env")
     parser.add_argument("--dir", type=Path, default=None, help="default: <state dir>/production")
+    parser.add_argument("--only", default="", help="comma-separated services to run (default: all)")
     args = parser.parse_args(argv)
     env_file = (args.env_file or profile.env_file()).resolve()
     directory = (args.dir or state_dir() / "production").resolve()
+    only = [s for s in args.only.split(",") if s] or None
     try:
         if args.command == "supervise":
-            Stack(env_file, directory).supervise()
+            Stack(env_file, directory, only).supervise()
         elif args.command == "up":
-            state = up(env_file, directory)
+            state = up(env_file, directory, only=only)
             print(f"stack: up ({', '.join(state['services'])}); Dagster UI http://127.0.0.1:"
                   f"{settings(env_file)['FACTORY_DAGSTER_PORT']}\n"
                   f"use it: export FACTORY_PROFILE=production FACTORY_ENV_FILE={env_file}")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 
 
-def append_many(home: str, worker: int, commits: int, rows_per_commit: int, out) -> None:
-    """Commit `commits` batches of `rows_per_commit` samples (flush after each); report metrics."""
+def append_many(home: str, worker: int, commits: int, rows_per_commit: int, out, env: dict | None = None) -> None:
+    """Commit `commits` batches of `rows_per_commit` samples (flush after each); report metrics.
+    `env`: further variables, e.g. FACTORY_PROFILE=production for the profile's catalog."""
     os.environ["FACTORY_HOME"] = home
+    os.environ.update(env or {})
     from factory.lake import TrajectoryWriter, open_catalog
     from tests.lake.rows import sample_row
 

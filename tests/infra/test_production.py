@@ -1,0 +1,204 @@
+"""The production profile end to end, as a team uses it: the stack comes up with one command; two
+users launch sweeps through the Dagster GraphQL API at once; the runs train on the stack's Ray
+cluster, write the lake (catalog on Postgres, files on S3) and log to the MLflow server; the
+daemon and one run worker are killed with SIGKILL mid-run, the supervisor restarts the daemon and
+the recovery sensor resumes the run; a second engine reads the lake with only the catalog's
+address; concurrent writers on the shared tables lose and duplicate nothing; `down` leaves nothing
+running or listening.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import psycopg2
+import pytest
+
+from assets.dev import DagsterClient
+from assets.runs import checkpoint_step, latest_checkpoint
+from infra.stack import alive
+from tests.integration.conftest import TEST_OVERRIDES
+from tests.lake import workers
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+SHORT = ["train.steps=3", "eval.before=false", "eval.heldout=16"]
+# the run that is killed: long enough to be caught past a checkpoint; lake commits every 0.5 s
+LONG = ["train.steps=12", "train.checkpoint_every=3", "eval.before=false", "eval.after=false",
+        "train.max_restarts=1", "lake.commit_interval_s=0.5"]
+
+
+def sweep_config(policy: Path, extra: list[str], grid: list[str]) -> dict:
+    overrides = [*TEST_OVERRIDES, f"model.path={policy}", *extra]
+    return {"ops": {"plan_sweep": {"config": {"recipe": "recipes/default.yaml", "overrides": overrides,
+                                              "grid": grid}}}}
+
+
+def lake_probe(stack, sql: str) -> list[dict]:
+    """Rows of `sql` over the lake, read by a fresh process given only the catalog's address and
+    the object store's keys: PyIceberg's SQL catalog, DuckDB over the scanned Arrow table."""
+    v = stack.values
+    props = {"type": "sql", "uri": (f"postgresql+psycopg2://{v['FACTORY_PG_USER']}:{v['FACTORY_PG_PASSWORD']}@"
+                                    f"{v['FACTORY_PG_HOST']}:{v['FACTORY_PG_PORT']}/iceberg"),
+             "warehouse": v["FACTORY_LAKE_WAREHOUSE"], "s3.endpoint": v["FACTORY_S3_ENDPOINT"],
+             "s3.access-key-id": v["AWS_ACCESS_KEY_ID"], "s3.secret-access-key": v["AWS_SECRET_ACCESS_KEY"],
+             "s3.region": v["FACTORY_S3_REGION"]}
+    code = f"""
+import json, duckdb
+from pyiceberg.catalog import load_catalog
+catalog = load_catalog("factory", **{props!r})  # a SQL catalog keys its tables by catalog name
+samples = catalog.load_table(("factory", "samples"))
+files = [t.file.file_path for t in samples.scan().plan_files()]
+data = samples.scan().to_arrow()
+print(json.dumps({{"files": files, "rows": duckdb.sql({sql!r}).fetchall()}}, default=str))
+"""
+    env = {"PATH": os.environ["PATH"], "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
+           "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required", "HOME": os.environ.get("HOME", "/root")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def samples_of(stack, key: str) -> tuple[int, int, int]:
+    """(rows, distinct sample ids, max trained step) of run `key`, through the lake probe."""
+    out = lake_probe(stack, f"SELECT count(*), count(DISTINCT sample_id), max(trained_step) FROM data "
+                            f"WHERE run_id = '{key}'")
+    rows, ids, step = out["rows"][0]
+    return rows, ids, step or 0
+
+
+def test_concurrent_writers_on_the_postgres_catalog_lose_and_duplicate_nothing(stack, tmp_path):
+    writers, commits, per_commit = 4, 15, 4
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    env = {"FACTORY_PROFILE": "production", "FACTORY_ENV_FILE": str(stack.env_file)}
+    procs = [ctx.Process(target=workers.append_many, args=(str(tmp_path), k, commits, per_commit, out, env))
+             for k in range(writers)]
+    for proc in procs:
+        proc.start()
+    metrics = [out.get(timeout=400) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    assert [m["lake/commits"] for m in metrics] == [commits] * writers
+    found = lake_probe(stack, "SELECT count(*), count(DISTINCT sample_id) FROM data WHERE run_id = 'shared'")
+    expected = writers * commits * per_commit
+    assert found["rows"] == [[expected, expected]], f"rows expected {expected}, found {found['rows']}"
+    assert found["files"] and all(f.startswith("s3://factory-lake/warehouse/") for f in found["files"])
+    assert not (tmp_path / "lake").exists()  # nothing of the lake on local disk
+
+
+def worker_pid(client: DagsterClient, run_id: str) -> int:
+    (pid,) = {int(e["metadata"]["pid"]) for e in client.events(run_id)
+              if e["__typename"] == "EngineEvent" and (e["message"] or "").startswith("Started process for run")}
+    return pid
+
+
+def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stack, policy):
+    alice, bob = DagsterClient(stack.graphql), DagsterClient(stack.graphql)
+    alice.wait_ready(120)
+    bob.wait_ready(120)
+
+    # two users launch at the same moment: alice a 2-point sweep, bob one long run
+    sweeps: dict[str, str] = {}
+    launches = [threading.Thread(target=lambda c=c, n=n, cfg=cfg: sweeps.__setitem__(n, c.launch("sweep_job", cfg)))
+                for c, n, cfg in ((alice, "alice", sweep_config(policy, SHORT, ["async.max_staleness=0,1"])),
+                                  (bob, "bob", sweep_config(policy, LONG, [])))]
+    for thread in launches:
+        thread.start()
+    for thread in launches:
+        thread.join()
+    assert set(sweeps) == {"alice", "bob"}
+    for user, client in (("alice", alice), ("bob", bob)):
+        assert client.wait_for_run(sweeps[user], 180)["status"] == "SUCCESS"
+
+    # wait until bob's run has a checkpoint and the lake holds a later step, then kill -9 the
+    # daemon and that run's worker (the process executing the RL run)
+    in_bob = [{"key": "factory/sweep_run_id", "value": sweeps["bob"]}]
+    deadline = time.monotonic() + 900
+    while True:
+        runs = bob.runs(tags=in_bob)
+        assert all(r["status"] not in ("SUCCESS", "FAILURE", "CANCELED") for r in runs), runs
+        if runs and runs[0]["status"] == "STARTED":
+            killed = runs[0]
+            key = killed["tags"]["dagster/partition"]
+            checkpoint = latest_checkpoint(stack.home / "runs" / key)
+            if checkpoint is not None and samples_of(stack, key)[2] > checkpoint_step(checkpoint):
+                break
+        assert time.monotonic() < deadline, "bob's run never got past a checkpoint"
+        time.sleep(2)
+    pid = worker_pid(bob, killed["runId"])
+    state = stack.state()
+    assert pid in {p.pid for p in psutil.Process(state["supervisor"]).children(recursive=True)}  # ours to kill
+    daemon = state["services"]["dagster_daemon"]["pid"]
+    os.kill(daemon, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
+
+    # the supervisor restarts the daemon; run monitoring (in the new daemon) marks the run failed;
+    # rl_run_recovery relaunches it from the checkpoint
+    deadline = time.monotonic() + 120
+    while not (stack.state()["services"]["dagster_daemon"]["restarts"] == 1
+               and alive(stack.state()["services"]["dagster_daemon"]["pid"])):
+        assert time.monotonic() < deadline, "the daemon was not restarted"
+        time.sleep(1)
+    assert not alive(daemon)
+    assert bob.wait_for_run(killed["runId"], 300)["status"] == "FAILURE"
+    (relaunched,) = bob.wait_for_runs(1, 900, tags=[{"key": "factory/parent_run_id", "value": killed["runId"]}])
+    assert relaunched["status"] == "SUCCESS", relaunched
+    assert relaunched["tags"]["factory/sweep_run_id"] == sweeps["bob"]
+    alice_runs = alice.wait_for_runs(2, 900, tags=[{"key": "factory/sweep_run_id", "value": sweeps["alice"]}])
+    assert [r["status"] for r in alice_runs] == ["SUCCESS", "SUCCESS"]
+    keys = sorted({r["tags"]["dagster/partition"] for r in alice_runs} | {key})
+    assert len(keys) == 3
+
+    # runs recorded in Postgres (Dagster's run storage)
+    v = stack.values
+    with psycopg2.connect(host=v["FACTORY_PG_HOST"], port=v["FACTORY_PG_PORT"], user=v["FACTORY_PG_USER"],
+                          password=v["FACTORY_PG_PASSWORD"], dbname="dagster") as con, con.cursor() as cur:
+        cur.execute("SELECT run_id, status FROM runs")
+        stored = dict(cur.fetchall())
+    assert stored[killed["runId"]] == "FAILURE" and stored[relaunched["runId"]] == "SUCCESS"
+    assert all(stored[r["runId"]] == "SUCCESS" for r in alice_runs) and stored[sweeps["alice"]] == "SUCCESS"
+
+    # the lake on S3, read by another engine: every sample id exactly once, every step
+    for run_key in keys:
+        steps = 12 if run_key == key else 3
+        assert samples_of(stack, run_key) == (steps * 16, steps * 16, steps), run_key
+    assert not (stack.home / "lake").exists()
+
+    # MLflow: one finished run per RL run on the tracking server, plots stored in the object store
+    from mlflow import MlflowClient
+    import boto3
+
+    client = MlflowClient(v["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("factory")
+    tracked = {r.data.tags["factory.run"]: r for r in client.search_runs([experiment.experiment_id])}
+    assert set(keys) <= set(tracked)
+    s3 = boto3.client("s3", endpoint_url=v["FACTORY_S3_ENDPOINT"], aws_access_key_id=v["AWS_ACCESS_KEY_ID"],
+                      aws_secret_access_key=v["AWS_SECRET_ACCESS_KEY"], region_name=v["FACTORY_S3_REGION"])
+    for run_key in keys:
+        run = tracked[run_key]
+        assert run.info.status == "FINISHED" and run.info.artifact_uri.startswith("mlflow-artifacts:")
+        listed = s3.list_objects_v2(Bucket="factory-mlflow", Prefix=f"artifacts/{experiment.experiment_id}/"
+                                                                     f"{run.info.run_id}/artifacts/plots/")
+        assert {Path(o["Key"]).name for o in listed.get("Contents", [])} >= {"reward.png"}, run_key
+    assert tracked[key].data.tags["factory.resumed"] == "1"
+
+    # down: every process of the stack is gone and nothing listens on its ports
+    pids = [state["supervisor"], *(s["pid"] for s in stack.state()["services"].values())]
+    done = stack.command("down", timeout=200)
+    assert done.returncode == 0, done.stderr
+    assert not [p for p in pids if alive(p)]
+    listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    assert not listening & set(stack.ports()), listening & set(stack.ports())
