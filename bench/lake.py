@@ -170,7 +170,7 @@ def commit_latency(setting: str, commits: int, n_rows: int, maintain_after: bool
             "rows_per_commit": n_rows, "wall_s": wall, "rows_per_s": commits * n_rows / wall, "retries": retries,
             "snapshots_at_end": len(table.metadata.snapshots),
             "manifests_at_end": len(table.current_snapshot().manifests(table.io)),
-            "metadata_json_bytes_at_end": table.io.new_input(table.metadata_location).get_length(),
+            "metadata_json_bytes_at_end": len(table.io.new_input(table.metadata_location).open().read()),
         }
         if maintain_after and BACKEND["name"] == "embedded":  # orphan removal: local warehouses only
             result["maintenance"] = maintain(catalog)
