@@ -2,7 +2,7 @@
 once, staleness within the run's η, per-token policy versions non-decreasing along a sample."""
 
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import dagster as dg
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 import dagster as dg
 from pydantic import Field
@@ -116,7 +117,7 @@ class ProgressResource(dg.ConfigurableResource):
     live: bool = Field(False, description="draw live progress bars on this process's terminal")
 
     @contextlib.contextmanager
-    def bars(self, total_steps: int) -> Iterator["RunProgress | None"]:
+    def bars(self, total_steps: int) -> Iterator[RunProgress | None]:
         """A `factory.progress.RunProgress` for a run of `total_steps` steps, or None unless live."""
         if not self.live:
             yield None

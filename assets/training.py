@@ -10,7 +10,7 @@ import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import dagster as dg
 from pydantic import Field
@@ -38,7 +38,8 @@ def exclusive(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
-            raise user_error(f"{directory}: another process is training this run (pid {handle.read().strip() or '?'})")
+            raise user_error(f"{directory}: another process is training this run "
+                             f"(pid {handle.read().strip() or '?'})") from None
         handle.seek(0)
         handle.truncate()
         handle.write(str(os.getpid()))

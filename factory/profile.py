@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping
 from urllib.parse import quote
 
 from factory.paths import REPO_ROOT

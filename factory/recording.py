@@ -58,7 +58,6 @@ class RunRecorder:
             self.tracker.start(self.run_id, params=recipe.dump(), tags=tags, resume_run_id=resume)
 
     def log_batch(self, batch: Batch, step: int) -> None:
-        rows = []
         for s in batch.samples:
             row = s.to_dict()
             row.update(trained_step=step, trained_version=batch.version, staleness=batch.version - s.oldest_version)

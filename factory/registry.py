@@ -7,7 +7,8 @@ errors and the JSON schema's allowed values both come from the entries themselve
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+from typing import Generic, TypeVar
+from collections.abc import Callable, Iterator
 
 T = TypeVar("T")
 

@@ -15,7 +15,8 @@ register a class under a name and select it in the recipe (`algorithm.distill.sc
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 from factory.types import Batch, Sample
 

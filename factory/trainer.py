@@ -136,9 +136,8 @@ class Trainer:
         if algorithm.kl_coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device).eval()
             self.ref_model.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=train.lr, weight_decay=train.weight_decay, betas=tuple(train.betas)
-        )
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
+                                           weight_decay=train.weight_decay, betas=tuple(train.betas))
         self.loss_cfg = LossConfig(
             clip_low=algorithm.clip_low, clip_high=algorithm.clip_high,
             aggregation=algorithm.aggregation, max_tokens=rollout.max_new_tokens,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -39,7 +39,7 @@ class BucketPlan:
     buckets: list[list[tuple[str, list[int]]]]
 
     @classmethod
-    def for_state(cls, named_shapes: Iterable[tuple[str, list[int]]], dtype: str, bucket_bytes: int) -> "BucketPlan":
+    def for_state(cls, named_shapes: Iterable[tuple[str, list[int]]], dtype: str, bucket_bytes: int) -> BucketPlan:
         itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
         buckets: list[list[tuple[str, list[int]]]] = [[]]
         size = 0
@@ -56,7 +56,7 @@ class BucketPlan:
         return json.dumps({"dtype": self.dtype, "buckets": self.buckets})
 
     @classmethod
-    def from_json(cls, text: str) -> "BucketPlan":
+    def from_json(cls, text: str) -> BucketPlan:
         d = json.loads(text)
         return cls(d["dtype"], [[(n, list(s)) for n, s in b] for b in d["buckets"]])
 

@@ -44,7 +44,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 REPO = Path(__file__).resolve().parent.parent

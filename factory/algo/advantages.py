@@ -9,7 +9,7 @@ unequal size. `overlong_penalty` is DAPO's reward shaping, applied to rewards be
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -23,7 +23,7 @@ stale masks, spread metrics) and the proximal-policy estimates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

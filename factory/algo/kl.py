@@ -10,7 +10,7 @@ inputs make them; mask them out with `factory.algo.aggregate`.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -14,7 +14,7 @@ weights that corrections (factory.algo.corrections) multiply into the loss befor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

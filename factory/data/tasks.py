@@ -8,7 +8,8 @@ import json
 import random
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from factory.data.code_tasks import CODE_FAMILY, code_family_tasks
 from factory.types import Task
@@ -57,7 +58,7 @@ class ReasoningGymSource:
         self.seed = seed
 
     @classmethod
-    def from_recipe(cls, data_section) -> "ReasoningGymSource":
+    def from_recipe(cls, data_section) -> ReasoningGymSource:
         specs = [TaskFamilySpec(f.name, dict(f.config), f.weight) for f in data_section.families]
         return cls(specs, data_section.train_size, data_section.heldout_size, data_section.seed)
 

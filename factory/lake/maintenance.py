@@ -66,7 +66,10 @@ class Compaction:
     rows: int
 
 
-def data_file_count(table: Table, row_filter: BooleanExpression = AlwaysTrue()) -> int:
+ALL_ROWS = AlwaysTrue()
+
+
+def data_file_count(table: Table, row_filter: BooleanExpression = ALL_ROWS) -> int:
     """Live data files of the current snapshot that may hold rows matching `row_filter`."""
     if table.current_snapshot() is None:
         return 0

@@ -26,8 +26,9 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from datetime import datetime, timezone
-from typing import Any, Iterable
+from datetime import datetime, UTC
+from typing import Any
+from collections.abc import Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -258,7 +259,7 @@ class TrajectoryWriter:
                                if isinstance(v, (int, float))}
         for column in spec.now_columns:
             if row.get(column) is None:
-                row[column] = datetime.now(timezone.utc)
+                row[column] = datetime.now(UTC)
         return row
 
     def _load_keys(self, spec: TableSpec, value: str | None) -> None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 from factory.types import Task
 
 
-@lru_cache(maxsize=None)
+@cache
 def _score_fn(family: str):
     from reasoning_gym import get_score_answer_fn
 

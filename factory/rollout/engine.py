@@ -105,7 +105,7 @@ class AdmissionGate:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     def open(self) -> None:

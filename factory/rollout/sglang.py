@@ -203,7 +203,7 @@ class SGLangEngine:
                       "mixed_version": 0, "prefix_reset_skipped": 0}
 
     @classmethod
-    def from_build(cls, b) -> "SGLangEngine":
+    def from_build(cls, b) -> SGLangEngine:
         """From the registry's `EngineBuild` (factory/rollout/engines.py): model dir, rollout section, log."""
         r = b.rollout
         if b.url:

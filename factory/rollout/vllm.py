@@ -35,7 +35,6 @@ import httpx
 from factory.paths import REPO_ROOT, cache_dir
 from factory.rollout.engine import AdmissionGate, Generation, SamplingParams, support_from
 from factory.rollout.server import EngineStartError, ServerProcess, engine_client, free_port  # noqa: F401 (re-exported)
-from factory.types import NOT_SAMPLED
 
 
 class VLLMServer(ServerProcess):
@@ -244,7 +243,7 @@ class VLLMEngine:
         finally:
             for _, request_id, *_ in batch:
                 self._engine_ids.pop(request_id, None)
-        for (prompt_ids, request_id, future, sampling), choice in zip(batch, choices):
+        for (prompt_ids, _request_id, future, sampling), choice in zip(batch, choices):
             ids = choice.get("token_ids") or []
             lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
             self.stats["requests"] += 1
@@ -316,7 +315,7 @@ class VLLMEngine:
         finally:
             for _, request_id, *_ in batch:
                 self._engine_ids.pop(request_id, None)
-        for (prompt_ids, request_id, future, sampling), choice in zip(batch, choices):
+        for (prompt_ids, _request_id, future, sampling), choice in zip(batch, choices):
             if future.done():
                 continue
             if "error" in choice:

@@ -42,7 +42,7 @@ class DirBundle:
             self.digest = h.hexdigest()
 
     @classmethod
-    def of(cls, path: str | Path, name: str | None = None, exclude: tuple[str, ...] = ()) -> "DirBundle":
+    def of(cls, path: str | Path, name: str | None = None, exclude: tuple[str, ...] = ()) -> DirBundle:
         """The files under `path`, except those whose relative path is in `exclude`."""
         root = Path(path)
         if not root.is_dir():
@@ -82,7 +82,7 @@ class DirBundle:
         return dest
 
 
-def local_dir(source: "str | Path | DirBundle", what: str) -> str:
+def local_dir(source: str | Path | DirBundle, what: str) -> str:
     """A directory on this node holding `source`: a bundle is written out; a path must exist here.
 
     The one-line error names the node, so a run on a cluster says plainly that a node lacks a file

@@ -16,7 +16,8 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
-from typing import Coroutine, Literal, TypeVar, get_args
+from typing import Literal, TypeVar, get_args
+from collections.abc import Coroutine
 
 Reason = Literal["ok", "exit_nonzero", "timeout", "cpu", "memory", "pids", "output_limit", "killed"]
 REASONS: tuple[str, ...] = get_args(Reason)
@@ -45,7 +46,7 @@ class Program:
     env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def python(cls, source: str, stdin: bytes | str | None = None, **files: str | bytes) -> "Program":
+    def python(cls, source: str, stdin: bytes | str | None = None, **files: str | bytes) -> Program:
         """A Python script as `main.py`, run with `python3 main.py`."""
         data = stdin.encode() if isinstance(stdin, str) else stdin
         return cls(files={"main.py": source, **files}, command=["python3", "main.py"], stdin=data)
@@ -74,7 +75,7 @@ class Limits:
         if self.cpu_s is not None and not self.cpu_s > 0:
             raise ValueError(f"Limits.cpu_s must be > 0 or None, got {self.cpu_s!r}")
 
-    def merged(self, **overrides) -> "Limits":
+    def merged(self, **overrides) -> Limits:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -224,6 +225,7 @@ class Sandbox(ABC):
 
     async def warm(self, count: int, limits: Limits | None = None) -> None:
         """Start up to `count` reusable workers ahead of time, where the backend has any."""
+        return None  # a backend without reusable workers has nothing to start
 
     async def aclose(self) -> None:
         self.close()

@@ -92,7 +92,7 @@ class Cgroup:
 
     # -- making and removing -------------------------------------------------------------------
     @classmethod
-    def create(cls, version: str, name: str, memory_mb: int, pids: int, cpus: float) -> "Cgroup":
+    def create(cls, version: str, name: str, memory_mb: int, pids: int, cpus: float) -> Cgroup:
         """A fresh group with its limits set (memory without swap, pids.max, a CFS quota of `cpus`)."""
         period = 100_000
         quota = max(1000, int(cpus * period))
@@ -120,7 +120,7 @@ class Cgroup:
         return cls("v2", {"": path})
 
     @classmethod
-    def of_pid(cls, pid: int) -> "Cgroup | None":
+    def of_pid(cls, pid: int) -> Cgroup | None:
         """A read/kill view of the groups process `pid` is in (None when not visible from here)."""
         text = _read(Path(f"/proc/{pid}/cgroup"))
         if not text:

@@ -317,7 +317,8 @@ class DockerSandbox(Sandbox):
                 return await self._run_on(worker, program, limits)
             except _ContainerGone:
                 if attempt:
-                    raise SandboxUnavailable("docker sandbox: containers die as soon as they start; see the engine log")
+                    raise SandboxUnavailable("docker sandbox: containers die as soon as they start; "
+                                             "see the engine log") from None
         raise AssertionError("unreachable")
 
     async def _run_on(self, worker: _Worker, program: Program, limits: Limits) -> Result:

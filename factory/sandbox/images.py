@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from factory.paths import REPO_ROOT, state_dir
 from factory.sandbox.base import SANDBOX_ENV, SANDBOX_UID, WORKDIR, Limits, SandboxUnavailable

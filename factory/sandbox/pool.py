@@ -26,7 +26,7 @@ class SandboxPool:
         self._inflight = 0
         self._started = False
 
-    async def start(self) -> "SandboxPool":
+    async def start(self) -> SandboxPool:
         if not self._started:
             self._started = True
             await self.sandbox.warm(self.size, self.limits)
@@ -66,13 +66,13 @@ class SandboxPool:
     def close(self) -> None:
         self.sandbox.close()
 
-    async def __aenter__(self) -> "SandboxPool":
+    async def __aenter__(self) -> SandboxPool:
         return await self.start()
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
-    def __enter__(self) -> "SandboxPool":
+    def __enter__(self) -> SandboxPool:
         run_blocking(self.start())
         return self
 

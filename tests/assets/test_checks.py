@@ -1,7 +1,7 @@
 import dagster as dg
 
 from assets.checks import samples_checks
-from assets.resources import local_resources
+from assets.resources import resources_for
 from assets.runs import RL_RUNS, run_dir
 from assets.training import rl_run
 from factory.lake import TrajectoryWriter, open_catalog, sample_rows
@@ -30,7 +30,7 @@ def check_results(instance, key: str) -> dict[str, dg.AssetCheckEvaluation]:
     instance.add_dynamic_partitions(RL_RUNS.name, [key])
     # checks only (as "Execute checks" in the UI): the partition goes as a run tag, since Dagster
     # cannot derive a partitions definition from a selection without assets
-    result = dg.materialize([rl_run, *samples_checks()], instance=instance, resources=local_resources(),
+    result = dg.materialize([rl_run, *samples_checks()], instance=instance, resources=resources_for(),
                             tags={"dagster/partition": key}, selection=dg.AssetSelection.checks_for_assets(rl_run))
     assert result.success and not result.get_asset_materialization_events()  # checks only: nothing retrained
     return {e.check_name: e for e in result.get_asset_check_evaluations()}

@@ -5,7 +5,7 @@ import json
 import dagster as dg
 
 from assets.evaluation import evaluation
-from assets.resources import local_resources
+from assets.resources import resources_for
 from assets.runs import RL_RUNS, run_dir
 from factory.evaluate import suite_tasks, tasks_digest
 from factory.lake import TrajectoryWriter
@@ -29,7 +29,7 @@ def test_an_evaluated_checkpoint_is_read_from_the_lake(instance):
                                        "tasks_digest": digest}])
     instance.add_dynamic_partitions(RL_RUNS.name, [key])
 
-    result = dg.materialize([evaluation], instance=instance, partition_key=key, resources=local_resources())
+    result = dg.materialize([evaluation], instance=instance, partition_key=key, resources=resources_for())
     metadata = result.asset_materializations_for_node("evaluation")[0].metadata
     assert (metadata["accuracy"].value, metadata["n"].value, metadata["step"].value) == (0.25, 64, 4)
     assert metadata["source"].value == "the lake (evaluated earlier)"
@@ -52,7 +52,7 @@ def test_an_evaluation_of_other_tasks_is_not_reused(instance):
                                        "mean": 0.25, "stderr": 0.05, "by_family": {}}])
     instance.add_dynamic_partitions(RL_RUNS.name, [key])
 
-    result = dg.materialize([evaluation], instance=instance, partition_key=key, resources=local_resources(),
+    result = dg.materialize([evaluation], instance=instance, partition_key=key, resources=resources_for(),
                             raise_on_error=False)
     assert not result.success
     failure = result.failure_data_for_node("evaluation")

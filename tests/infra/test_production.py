@@ -195,6 +195,13 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
         assert {Path(o["Key"]).name for o in listed.get("Contents", [])} >= {"reward.png"}, run_key
     assert tracked[key].data.tags["factory.resumed"] == "1"
 
+    # every socket the stack and its runs listen on is on loopback
+    from tests.integration.test_cluster import beyond_loopback, listening
+
+    sockets = listening(state["supervisor"])
+    assert {n for _, _, n in sockets if "postgres" in n} and {n for _, _, n in sockets if "raylet" in n}
+    assert not beyond_loopback(sockets), beyond_loopback(sockets)
+
     # down: every process of the stack is gone and nothing listens on its ports
     pids = [state["supervisor"], *(s["pid"] for s in stack.state()["services"].values())]
     done = stack.command("down", timeout=200)
