@@ -2,7 +2,7 @@
 STATE ?= $(CURDIR)/.state
 PY := $(STATE)/venv/bin/python
 
-.PHONY: setup sglang-venv main test bench cluster-demo production-up production-down
+.PHONY: setup sglang-venv main test unit lint bench cluster-demo production-up production-down
 
 setup:
 	bash infra/setup.sh
@@ -22,6 +22,15 @@ sglang-venv:
 test: setup sglang-venv
 	$(PY) -m pytest -q tests --ignore=tests/infra
 	$(PY) -m pytest -q tests/infra
+
+# The fast part of the suite (no servers: pure logic, recipes, the lake on SQLite, Dagster in-process,
+# sandboxes); what to run while editing
+unit: setup
+	$(PY) -m pytest -q -m "not integration" tests
+
+# Lint: ruff on the library, the code location, infra and the tests (rules in pyproject.toml)
+lint: setup
+	$(PY) -m ruff check factory assets infra
 
 bench: setup
 	$(PY) bench/async_speedup.py
