@@ -69,12 +69,17 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake
             result = evaluate_checkpoint(recipe, checkpoint, config.suite, n)
     context.log.info(f"{key} step {step}: {config.suite} accuracy {result['mean']:.3f} ± {result['stderr']:.3f}")
 
+    from factory import lineage
+
+    # where the evaluated policy came from: the checkpoint's manifest, plus who evaluated it
+    origin = lineage.read_manifest(checkpoint) if (checkpoint / "manifest.json").is_file() else {}
+    origin = {**origin, "evaluation_dagster_run_id": context.run_id}
     if recipe.lake.enabled and not reused:  # (a row of this step and suite with another n stays: one per key)
         with lake.writer(recipe, run_id=key) as writer:
             writer.append("evaluations", [{
                 "run_id": key, "step": step, "version": version, "suite": config.suite, "n": result["n"],
                 "mean": result["mean"], "stderr": result["stderr"], "by_family": json.dumps(result["by_family"]),
-                "tasks_digest": result.get("tasks_digest"),
+                "tasks_digest": result.get("tasks_digest"), "checkpoint": str(checkpoint), "lineage": origin,
             }])
     mlflow_run = tracking.find_run(recipe, key)
     if mlflow_run and not reused:
@@ -89,4 +94,6 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake
         "by_family": dg.MetadataValue.json(result["by_family"]),
         "source": "the lake (evaluated earlier)" if reused else "evaluated now",
         **({"mlflow_run_id": mlflow_run} if mlflow_run else {}),
+        **({"recipe_hash": origin["recipe_hash"], "git_sha": origin["git_sha"],
+            "lake_snapshots": dg.MetadataValue.json(origin["lake_snapshots"])} if "recipe_hash" in origin else {}),
     })

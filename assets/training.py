@@ -18,8 +18,8 @@ from pydantic import Field
 from assets.policy import base_policy
 from assets.resources import LakeResource, ProgressResource, RayResource, TrackingResource
 from assets.runs import (
-    KIND_TAG, RL_RUN_KEY, RL_RUNS, calls, checkpoint_step, is_finished, latest_checkpoint, load_recipe_or_fail,
-    run_dir, saved_recipe, user_error,
+    KIND_TAG, PARENT_RUN_TAG, RL_RUN_KEY, RL_RUNS, SWEEP_RUN_TAG, calls, checkpoint_step, is_finished,
+    latest_checkpoint, load_recipe_or_fail, run_dir, saved_recipe, user_error,
 )
 
 
@@ -60,6 +60,7 @@ def _accuracy(results: dict, key: str) -> dict:
 def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeResource,
            tracking: TrackingResource, ray: RayResource, progress: ProgressResource) -> dg.MaterializeResult:
     """One RL run (`factory.run.run`): trains the recipe, evaluates before/after, records to lake and MLflow."""
+    from factory import lineage
     from factory.run import run
 
     key = context.partition_key
@@ -92,6 +93,9 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
 
     if resume is not None:
         context.log.info(f"resuming {key} from {resume} (step {checkpoint_step(resume)})")
+    # lineage: who launched this attempt, recorded with the run (lake `runs` row, MLflow tags, manifests)
+    lineage.set_context(dagster_run_id=context.run_id, sweep_run_id=context.run.tags.get(SWEEP_RUN_TAG),
+                        parent_run_id=context.run.tags.get(PARENT_RUN_TAG))
     with exclusive(directory), ray.session(), progress.bars(recipe.train.steps) as bars:
         results = run(recipe, directory, resume_from=resume,
                       on_step=calls(log_step, bars and bars.on_step),
@@ -117,5 +121,12 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
     mlflow_run = tracking.find_run(recipe, key)
     if mlflow_run:
         metadata["mlflow_run_id"] = mlflow_run
+    last = latest_checkpoint(directory)
+    if last is not None and (last / "manifest.json").is_file():  # where the final policy came from
+        manifest = lineage.read_manifest(last)
+        metadata.update({"checkpoint": dg.MetadataValue.path(str(last)), "recipe_hash": manifest["recipe_hash"],
+                         "git_sha": manifest["git_sha"], "git_dirty": str(manifest["git_dirty"]),
+                         "base_policy_fingerprint": manifest["base_policy_fingerprint"] or "",
+                         "lake_snapshots": dg.MetadataValue.json(manifest["lake_snapshots"])})
     context.log.info(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict)}, default=str))
     return dg.MaterializeResult(metadata={k: v for k, v in metadata.items() if v is not None})

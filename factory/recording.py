@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from factory import lineage
 from factory.types import Batch
 
 LAKE_BATCH_ROWS = 8192  # a table this far behind commits at once, whatever its interval
@@ -29,7 +30,11 @@ class RunRecorder:
     def __init__(self, recipe, run_dir: Path, run_id: str | None = None, resume_from: Path | None = None):
         self.dir = run_dir
         self.run_id = run_id or run_dir.name
+        self.recipe = recipe
+        self._origin: dict[str, Any] | None = None  # lineage.origin, once the base policy exists
+        self.tracker = None
         start = checkpoint_version(resume_from) if resume_from is not None else 0
+        self.start_step = start
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
         self.metrics_file = open(run_dir / "metrics.jsonl", "a")
@@ -46,9 +51,6 @@ class RunRecorder:
             self.lake = TrajectoryWriter(catalog, recipe.lake.namespace, run_id=self.run_id, batch_rows=LAKE_BATCH_ROWS,
                                          flush_interval_s=recipe.lake.commit_interval_s)
             self.rewound = self.lake.rewind(start)  # {table: rows deleted}; empty for a new run
-            if resume_from is not None:  # its row may not have been committed before the crash
-                self.log_checkpoint(start, start, Path(resume_from))
-        self.tracker = None
         if recipe.tracking.enabled:
             from factory.tracking import RunTracker
 
@@ -56,6 +58,8 @@ class RunRecorder:
             resume = self.tracker.find_run(self.run_id)  # a relaunched run continues its MLflow run
             tags = {"factory.resumed_from_step": str(start)} if resume_from is not None else {}
             self.tracker.start(self.run_id, params=recipe.dump(), tags=tags, resume_run_id=resume)
+        if resume_from is not None and self.lake is not None:  # its row may not have been committed before the crash
+            self.log_checkpoint(start, start, Path(resume_from))
 
     def log_batch(self, batch: Batch, step: int) -> None:
         for s in batch.samples:
@@ -70,6 +74,7 @@ class RunRecorder:
             self.lake.append("samples", sample_rows(batch, self.run_id, step))
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        self.origin()
         if self.lake is not None:
             metrics = {**metrics, **self.lake.metrics()}
         self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -79,10 +84,47 @@ class RunRecorder:
         if self.tracker is not None:
             self.tracker.log_metrics(step, metrics)
 
+    def origin(self) -> dict[str, Any]:
+        """The run's lineage (`factory.lineage.origin`). First called once the base policy exists (the
+        first evaluation, step or checkpoint); then recorded: a `runs` row per attempt, MLflow tags."""
+        if self._origin is None:
+            from factory.model.sft import base_policy_path
+
+            self._origin = lineage.origin(self.recipe, base_policy_path(self.recipe))  # never builds one
+            mlflow_run_id = self.tracker.run_id if self.tracker is not None else None
+            if self.lake is not None:
+                o = self._origin
+                self.lake.append("runs", [{
+                    "run_id": self.run_id, "start_step": self.start_step, "recipe_hash": o["recipe_hash"],
+                    "recipe_yaml": o["recipe_yaml"], "git_sha": o["git_sha"], "git_dirty": str(o["git_dirty"]).lower(),
+                    "base_policy_fingerprint": o["base_policy_fingerprint"], "dagster_run_id": o.get("dagster_run_id"),
+                    "mlflow_run_id": mlflow_run_id, "parent": o.get("parent_run_id") or o.get("sweep_run_id"),
+                    "origin": {k: v for k, v in o.items() if k != "recipe_yaml"},
+                }])
+            if self.tracker is not None:
+                self.tracker.set_tags(lineage.mlflow_tags(self._origin))
+        return self._origin
+
+    def checkpoint_lineage(self, step: int, version: int) -> dict[str, Any]:
+        """What a checkpoint (or an evaluation of one) at `step` came from; the lake's snapshots are
+        read after `flush`, so they hold every sample trained up to it."""
+        snapshots = self.lake.snapshot_ids() if self.lake is not None else {}
+        return lineage.checkpoint_manifest(self.run_id, step, version, self.origin(), snapshots,
+                                           self.tracker.run_id if self.tracker is not None else None)
+
     def log_checkpoint(self, step: int, version: int, path: Path) -> None:
+        """Record a checkpoint: its manifest (`manifest.json` in it; a resumed run keeps the one its
+        first attempt wrote) and a `checkpoints` row carrying the same."""
+        path = Path(path)
+        if (path / "manifest.json").is_file():
+            manifest = lineage.read_manifest(path)
+        else:
+            manifest = self.checkpoint_lineage(step, version)
+            if path.is_dir():
+                lineage.write_manifest(path, manifest)
         if self.lake is not None:
             self.lake.append("checkpoints", [{"run_id": self.run_id, "step": step, "version": version,
-                                              "path": str(path)}])
+                                              "path": str(path), "lineage": manifest}])
 
     def flush(self) -> None:
         """Wait until the lake has committed every row recorded so far (before a checkpoint is saved:
@@ -92,10 +134,14 @@ class RunRecorder:
 
     def log_evaluation(self, step: int, version: int, suite: str, result: dict[str, Any]) -> None:
         if self.lake is not None:
+            checkpoint = self.dir / "checkpoints" / f"step-{step:06d}"
             self.lake.append("evaluations", [{
                 "run_id": self.run_id, "step": step, "version": version, "suite": suite, "n": result["n"],
                 "mean": result["mean"], "stderr": result["stderr"], "by_family": json.dumps(result["by_family"]),
                 "tasks_digest": result.get("tasks_digest"),
+                "checkpoint": str(checkpoint) if checkpoint.is_dir() else None,  # step 0: the base policy
+                "lineage": lineage.read_manifest(checkpoint) if (checkpoint / "manifest.json").is_file()
+                else self.checkpoint_lineage(step, version),
             }])
         if self.tracker is not None:
             self.tracker.log_metrics(step, {f"eval/{suite}_mean": result["mean"], f"eval/{suite}_stderr": result["stderr"]})
@@ -116,6 +162,7 @@ class RunRecorder:
                 pass
 
     def finish(self, results: dict[str, Any], status: str = "FINISHED") -> None:
+        self.origin()
         (self.dir / "results.json").write_text(json.dumps(results, indent=2))
         self.metrics_file.close()
         self.samples_file.close()

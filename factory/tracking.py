@@ -131,6 +131,10 @@ class RunTracker:
         self._log_params_and_tags(flat, tags)
         return self.run_id
 
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Set tags on the open run (e.g. its lineage: git sha, recipe hash, base policy, Dagster run)."""
+        self._log_params_and_tags({}, tags)
+
     def _log_params_and_tags(self, params: dict[str, str], tags: Mapping[str, str]) -> None:
         run_id = self._id()
         entities: list[Param | RunTag] = [Param(k, v) for k, v in params.items()]

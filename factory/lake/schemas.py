@@ -134,11 +134,18 @@ _STEPS = _schema([
 _EVALUATIONS = _schema([
     ("run_id", _S, True), ("step", _I, True), ("version", _I, False), ("suite", _S, True),
     ("n", _I, False), ("mean", _D, False), ("stderr", _D, False), ("by_family", _S, False),
-    ("time", _T, False), ("tasks_digest", _S, False),
+    ("time", _T, False), ("tasks_digest", _S, False), ("checkpoint", _S, False), ("lineage", _S, False),
 ])
 _CHECKPOINTS = _schema([
     ("run_id", _S, True), ("step", _I, True), ("version", _I, False), ("path", _S, False),
-    ("time", _T, False),
+    ("time", _T, False), ("lineage", _S, False),
+])
+# One row per attempt of a run (start_step 0, or the checkpoint step it resumed from): where it came from
+_RUNS = _schema([
+    ("run_id", _S, True), ("start_step", _I, True), ("recipe_hash", _S, False), ("recipe_yaml", _S, False),
+    ("git_sha", _S, False), ("git_dirty", _S, False), ("base_policy_fingerprint", _S, False),
+    ("dagster_run_id", _S, False), ("mlflow_run_id", _S, False), ("parent", _S, False), ("origin", _S, False),
+    ("started_at", _T, False),
 ])
 
 TABLES: dict[str, TableSpec] = {
@@ -152,10 +159,13 @@ TABLES: dict[str, TableSpec] = {
                        properties=_TABLE_PROPERTIES),
     "evaluations": TableSpec("evaluations", _EVALUATIONS, _by(_EVALUATIONS, "run_id"),
                              key=("run_id", "step", "suite"), scope="run_id", position="step",
-                             json_columns=("by_family",), now_columns=("time",),
+                             json_columns=("by_family", "lineage"), now_columns=("time",),
                              properties=_TABLE_PROPERTIES),
     "checkpoints": TableSpec("checkpoints", _CHECKPOINTS, _by(_CHECKPOINTS, "run_id"), key=("run_id", "step"),
-                             scope="run_id", position="step", now_columns=("time",), properties=_TABLE_PROPERTIES),
+                             scope="run_id", position="step", now_columns=("time",), json_columns=("lineage",),
+                             properties=_TABLE_PROPERTIES),
+    "runs": TableSpec("runs", _RUNS, _by(_RUNS, "run_id"), key=("run_id", "start_step"), scope="run_id",
+                      json_columns=("origin",), now_columns=("started_at",), properties=_TABLE_PROPERTIES),
 }
 
 

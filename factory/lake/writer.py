@@ -189,6 +189,15 @@ class TrajectoryWriter:
         data = table.scan(row_filter=EqualTo("run_id", run_id), selected_fields=(spec.position,)).to_arrow()
         return None if data.num_rows == 0 else pc.max(data[spec.position]).as_py()
 
+    def snapshot_ids(self, tables: tuple[str, ...] = ("samples", "steps")) -> dict[str, int | None]:
+        """The current snapshot id of each table (after `flush`: a snapshot holding every row
+        appended so far); time travel to it reads exactly the data a checkpoint was trained on."""
+        ids: dict[str, int | None] = {}
+        for name in tables:
+            snapshot = self.catalog.load_table((self.namespace, name)).current_snapshot()
+            ids[name] = snapshot.snapshot_id if snapshot is not None else None
+        return ids
+
     def rewind(self, position: int, run_id: str | None = None) -> dict[str, int]:
         """Delete `run_id`'s rows beyond `position` (e.g. the steps after the checkpoint a run resumes
         from) in every table with a position column; return the rows deleted per table.

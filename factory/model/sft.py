@@ -110,6 +110,14 @@ def warm_start(model, tokenizer, env, tasks, section, progress=None) -> list[flo
     return losses
 
 
+def base_policy_path(recipe) -> Path | None:
+    """Where `recipe`'s base policy is (model.path, or the cached warm start), or None if not built yet."""
+    if recipe.model.path:
+        return Path(recipe.model.path)
+    out = models_dir() / f"tiny-{policy_fingerprint(recipe)}"
+    return out if (out / "sft.json").is_file() else None
+
+
 def ensure_base_policy(recipe, progress=None) -> Path:
     """The warm-started policy for `recipe`, built once and cached under the state dir.
 
