@@ -202,9 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     sc.set_defaults(fn=cmd_recipe_schema)
 
     from factory.lake.cli import add_lake_commands
+    from factory.lake.runs import add_runs_commands
     from factory.sandbox.cli import add_sandbox_commands
 
     add_lake_commands(sub)
+    add_runs_commands(sub)
     add_sandbox_commands(sub)
     return p
 

@@ -21,7 +21,7 @@ from .conftest import small_recipe
 pytestmark = pytest.mark.integration
 
 
-def test_an_evaluation_leads_back_to_its_checkpoint_recipe_code_and_data(engine, policy, tmp_path):
+def test_an_evaluation_leads_back_to_its_checkpoint_recipe_code_and_data(engine, policy, tmp_path, capsys):
     recipe = small_recipe("train.steps=2", "train.checkpoint_every=1", "eval.before=false", "eval.heldout=16",
                           f"model.path={policy}")
     recipe.lake.catalog = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
@@ -63,3 +63,17 @@ def test_an_evaluation_leads_back_to_its_checkpoint_recipe_code_and_data(engine,
     assert manifest["mlflow_run_id"] == origin["mlflow_run_id"]
     assert tags["factory.git_sha"] == head and tags["factory.recipe_hash"] == recipe.fingerprint()
     assert tags["factory.base_policy_fingerprint"] == manifest["base_policy_fingerprint"]
+
+    # the same through the command line: `factory runs show` / `compare`
+    from factory.cli import main
+
+    catalog_args = [arg for k, v in recipe.lake.catalog.items() for arg in ("--catalog", f"{k}={v}")]
+    assert main(["runs", "show", key, *catalog_args]) == 0
+    shown = capsys.readouterr().out
+    assert f"recipe {manifest['recipe_hash']}, git {head}" in shown and "eval step     2 heldout" in shown
+    assert main(["runs", "compare", key, key, *catalog_args]) == 0
+    compared = capsys.readouterr().out
+    assert "B − A held-out: +0.000" in compared and "recipes: identical" in compared
+    assert main(["runs", "show", "no-such-run", *catalog_args]) == 2
+    assert f"no run 'no-such-run' in the lake; runs: {key}" in capsys.readouterr().err
+
