@@ -1,6 +1,6 @@
 """The code location's entry point: `dagster dev -m assets.definitions` (or `python -m assets`).
 
-    task_dataset ─▶ base_policy ─▶ rl_run[rl_runs] ─▶ evaluation[rl_runs]      sandbox_image[name]
+    task_dataset ─▶ base_policy ─▶ rl_run[rl_runs] ─▶ checkpoint[rl_runs] ─▶ evaluation[rl_runs]   sandbox_image[name]
                                    + samples checks                             + sandbox_health
 
 Jobs: main_job (one recipe through the whole graph: `python -m assets materialize`), sweep_job
@@ -23,7 +23,7 @@ from assets.resources import resources_for
 from assets.runs import EVALUATION_KEY, KIND_TAG, RL_RUN_KEY, RL_RUNS
 from assets.sandboxes import sandbox_health, sandbox_image
 from assets.sweeps import build_launch_sensor, sweep_job
-from assets.training import rl_run
+from assets.training import checkpoint, rl_run
 
 # RL runs are relaunched by rl_run_recovery (from their last checkpoint, with ancestry tags), never
 # by Dagster's generic run retries, which would race it.
@@ -44,7 +44,7 @@ evaluation_job = dg.define_asset_job(
 )
 
 defs = dg.Definitions(
-    assets=[task_dataset, base_policy, rl_run, evaluation, sandbox_image],
+    assets=[task_dataset, base_policy, rl_run, checkpoint, evaluation, sandbox_image],
     asset_checks=[*samples_checks(), sandbox_health],
     jobs=[main_job, sweep_job, rl_run_job, evaluation_job],
     sensors=[build_launch_sensor(rl_run_job), build_checkpoint_sensor(evaluation_job),

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from assets.resources import LakeResource, RayResource, TrackingResource
 from assets.runs import (
-    EVALUATION_KEY, KIND_TAG, RL_RUN_KEY, RL_RUNS, latest_checkpoint, run_dir, saved_recipe, user_error,
+    CHECKPOINT_KEY, EVALUATION_KEY, KIND_TAG, RL_RUN_KEY, RL_RUNS, latest_checkpoint, run_dir, saved_recipe, user_error,
 )
 
 
@@ -34,7 +34,9 @@ def _digest(recipe, suite: str, n: int) -> str:
     return tasks_digest(suite_tasks(recipe, suite, n))
 
 
-@dg.asset(key=EVALUATION_KEY, partitions_def=RL_RUNS, group_name="evaluation", deps=[RL_RUN_KEY],
+@dg.asset(key=EVALUATION_KEY, partitions_def=RL_RUNS, group_name="evaluation",
+          # the checkpoint it scores; rl_run too, so that main_job evaluates after training
+          deps=[CHECKPOINT_KEY, RL_RUN_KEY],
           kinds={"ray"}, pool="evaluation", op_tags={KIND_TAG: "evaluation"})
 def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake: LakeResource,
                tracking: TrackingResource, ray: RayResource) -> dg.MaterializeResult:

@@ -21,6 +21,7 @@ from factory.recipe import Recipe, RecipeError, load_recipe
 RL_RUNS = dg.DynamicPartitionsDefinition(name="rl_runs")
 RL_RUN_KEY = dg.AssetKey("rl_run")
 EVALUATION_KEY = dg.AssetKey("evaluation")
+CHECKPOINT_KEY = dg.AssetKey("checkpoint")  # reported by rl_run, one materialization per checkpoint written
 DEFAULT_RECIPE = "recipes/default.yaml"
 
 # run tags (the "factory/" prefix keeps them apart from Dagster's own "dagster/" tags)

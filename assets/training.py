@@ -18,9 +18,28 @@ from pydantic import Field
 from assets.policy import base_policy
 from assets.resources import LakeResource, ProgressResource, RayResource, TrackingResource
 from assets.runs import (
-    KIND_TAG, PARENT_RUN_TAG, RL_RUN_KEY, RL_RUNS, SWEEP_RUN_TAG, calls, checkpoint_step, is_finished,
-    latest_checkpoint, load_recipe_or_fail, run_dir, saved_recipe, user_error,
+    CHECKPOINT_KEY, KIND_TAG, PARENT_RUN_TAG, RL_RUN_KEY, RL_RUNS, SWEEP_RUN_TAG, calls, checkpoint_step, checkpoints,
+    is_finished, latest_checkpoint, load_recipe_or_fail, run_dir, saved_recipe, user_error,
 )
+
+# Checkpoints are their own node in the asset graph (rl_run ─▶ checkpoint ─▶ evaluation): rl_run reports
+# a materialization of its partition for each checkpoint it wrote, with the checkpoint's manifest as
+# metadata, so an evaluation leads in the UI to the exact checkpoint, recipe, code and lake snapshot.
+checkpoint = dg.AssetSpec(CHECKPOINT_KEY, deps=[RL_RUN_KEY], partitions_def=RL_RUNS, group_name="training",
+                          kinds={"pytorch"}, description="A checkpoint of an RL run (reported by rl_run; metadata: "
+                          "step, path, recipe hash, git sha, base policy, lake snapshot ids)")
+
+
+def checkpoint_event(key: str, path: Path) -> dg.AssetMaterialization:
+    from factory import lineage
+
+    manifest = lineage.read_manifest(path) if (path / "manifest.json").is_file() else {}
+    return dg.AssetMaterialization(CHECKPOINT_KEY, partition=key, metadata={
+        "step": checkpoint_step(path), "path": dg.MetadataValue.path(str(path)),
+        **{k: str(manifest[k]) for k in ("recipe_hash", "git_sha", "git_dirty", "base_policy_fingerprint",
+                                          "mlflow_run_id", "dagster_run_id") if manifest.get(k) is not None},
+        **({"lake_snapshots": dg.MetadataValue.json(manifest["lake_snapshots"])} if manifest else {}),
+    })
 
 
 class RLRunConfig(dg.Config):
@@ -128,5 +147,9 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
                          "git_sha": manifest["git_sha"], "git_dirty": str(manifest["git_dirty"]),
                          "base_policy_fingerprint": manifest["base_policy_fingerprint"] or "",
                          "lake_snapshots": dg.MetadataValue.json(manifest["lake_snapshots"])})
+    start = checkpoint_step(resume) if resume is not None else 0
+    for path in checkpoints(directory):
+        if checkpoint_step(path) > start:  # those of this attempt (the resumed one was reported before)
+            context.log_event(checkpoint_event(key, path))
     context.log.info(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict)}, default=str))
     return dg.MaterializeResult(metadata={k: v for k, v in metadata.items() if v is not None})

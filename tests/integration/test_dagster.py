@@ -111,6 +111,11 @@ def test_a_sweep_of_two_points_trains_two_runs_with_lake_mlflow_and_evaluations(
                           "versions_non_decreasing": True}
         (materialization,) = dagster.materializations("rl_run", key)
         assert materialization["runId"] == run["runId"]
+        # lineage: each checkpoint is a materialization of its own asset, naming recipe and code
+        reported = dagster.materializations("checkpoint", key)
+        assert sorted(m["metadata"]["step"] for m in reported) == [2, 3]
+        assert all(m["metadata"]["recipe_hash"] == materialization["metadata"]["recipe_hash"]
+                   and len(m["metadata"]["git_sha"]) == 40 for m in reported)
         # one MLflow run per RL run, finished, with the run's step metrics
         assert materialization["metadata"]["mlflow_run_id"] == mlflow[key].info.run_id
         assert mlflow[key].info.status == "FINISHED"
