@@ -55,6 +55,19 @@ def parse_grid(axes: list[str]) -> dict[str, list]:
     return grid
 
 
+def _mlflow_parent_run(context, recipe, grid: dict, points: int) -> str | None:
+    """The sweep as a parent MLflow run; each RL run of it becomes a child (tag mlflow.parentRunId)."""
+    if not recipe.tracking.enabled:
+        return None
+    from factory.tracking import RunTracker
+
+    tracker = RunTracker(recipe.tracking.uri, recipe.tracking.experiment)
+    run_id = tracker.start(f"sweep-{context.run_id[:8]}", params={"grid": {k: list(v) for k, v in grid.items()}},
+                           tags={"factory.sweep_run_id": context.run_id, "factory.points": str(points)})
+    tracker.end("FINISHED")  # the planning; the children carry the training
+    return run_id
+
+
 @dg.op(tags={KIND_TAG: "sweep"})
 def plan_sweep(context: dg.OpExecutionContext, config: SweepConfig) -> list[str]:
     """Expand recipe × grid and add one rl_runs partition per point (the launcher sensor starts them)."""
@@ -66,6 +79,7 @@ def plan_sweep(context: dg.OpExecutionContext, config: SweepConfig) -> list[str]
     except (RecipeError, ValueError) as err:
         raise user_error(f"{config.recipe}: {err}") from None
 
+    parent = _mlflow_parent_run(context, recipe, grid, len(points))
     keys, lines = [], []
     for point, sub in points:
         key = partition_key(sub)
@@ -77,7 +91,8 @@ def plan_sweep(context: dg.OpExecutionContext, config: SweepConfig) -> list[str]
             if not (directory / SAVED_RECIPE).is_file():
                 (directory / SAVED_RECIPE).write_text(sub.to_yaml())
             request = {"sweep_run_id": context.run_id, "point": point, "recipe": config.recipe,
-                       "overrides": list(config.overrides), "requested_at": time.time()}
+                       "overrides": list(config.overrides), "requested_at": time.time(),
+                       "mlflow_parent_run_id": parent}
             (directory / LAUNCH_REQUEST).write_text(json.dumps(request, indent=2, default=str))
             status = "requested"
         keys.append(key)

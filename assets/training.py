@@ -18,8 +18,8 @@ from pydantic import Field
 from assets.policy import base_policy
 from assets.resources import LakeResource, ProgressResource, RayResource, TrackingResource
 from assets.runs import (
-    CHECKPOINT_KEY, KIND_TAG, PARENT_RUN_TAG, RL_RUN_KEY, RL_RUNS, SWEEP_RUN_TAG, calls, checkpoint_step, checkpoints,
-    is_finished, latest_checkpoint, load_recipe_or_fail, run_dir, saved_recipe, user_error,
+    CHECKPOINT_KEY, KIND_TAG, LAUNCH_REQUEST, PARENT_RUN_TAG, RL_RUN_KEY, RL_RUNS, SWEEP_RUN_TAG, calls,
+    checkpoint_step, checkpoints, is_finished, latest_checkpoint, load_recipe_or_fail, run_dir, saved_recipe, user_error,
 )
 
 # Checkpoints are their own node in the asset graph (rl_run ─▶ checkpoint ─▶ evaluation): rl_run reports
@@ -113,8 +113,11 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
     if resume is not None:
         context.log.info(f"resuming {key} from {resume} (step {checkpoint_step(resume)})")
     # lineage: who launched this attempt, recorded with the run (lake `runs` row, MLflow tags, manifests)
+    request = directory / LAUNCH_REQUEST
+    planned = json.loads(request.read_text()) if request.is_file() else {}
     lineage.set_context(dagster_run_id=context.run_id, sweep_run_id=context.run.tags.get(SWEEP_RUN_TAG),
-                        parent_run_id=context.run.tags.get(PARENT_RUN_TAG))
+                        parent_run_id=context.run.tags.get(PARENT_RUN_TAG),
+                        mlflow_parent_run_id=planned.get("mlflow_parent_run_id"))
     with exclusive(directory), ray.session(), progress.bars(recipe.train.steps) as bars:
         results = run(recipe, directory, resume_from=resume,
                       on_step=calls(log_step, bars and bars.on_step),

@@ -57,6 +57,8 @@ class RunRecorder:
             self.tracker = RunTracker(recipe.tracking.uri, recipe.tracking.experiment)
             resume = self.tracker.find_run(self.run_id)  # a relaunched run continues its MLflow run
             tags = {"factory.resumed_from_step": str(start)} if resume_from is not None else {}
+            if lineage.context().get("mlflow_parent_run_id"):  # a sweep's child run
+                tags["mlflow.parentRunId"] = lineage.context()["mlflow_parent_run_id"]
             self.tracker.start(self.run_id, params=recipe.dump(), tags=tags, resume_run_id=resume)
         if resume_from is not None and self.lake is not None:  # its row may not have been committed before the crash
             self.log_checkpoint(start, start, Path(resume_from))
