@@ -134,7 +134,8 @@ def test_a_sweep_of_two_points_trains_two_runs_with_lake_mlflow_and_evaluations(
                           f"ORDER BY 1", catalog=catalog).to_pylist()  # (step 2: the evaluation job's, below)
         assert evaluations == [{"step": 0, "suite": "heldout", "n": 32}, {"step": 3, "suite": "heldout", "n": 32}]
     # the sweep is a parent MLflow run, its RL runs are children
-    (parent,) = [r for r in mlflow.values() if r.data.tags.get("factory.sweep_run_id") == sweep]
+    parent = mlflow[f"sweep-{sweep[:8]}"]
+    assert parent.data.tags["factory.sweep_run_id"] == sweep
     assert {mlflow[k].data.tags.get("mlflow.parentRunId") for k in keys} == {parent.info.run_id}
     assert len(mlflow) == 3
 
