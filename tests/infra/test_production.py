@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime, UTC
 from pathlib import Path
 
 import psutil
@@ -29,7 +30,6 @@ from infra.stack import alive
 from tests.integration.conftest import TEST_OVERRIDES
 from tests.lake import workers
 
-from .conftest import REPO
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +47,8 @@ def sweep_config(policy: Path, extra: list[str], grid: list[str]) -> dict:
 
 def lake_probe(stack, sql: str) -> list[dict]:
     """Rows of `sql` over the lake, read by a fresh process given only the catalog's address and
-    the object store's keys: PyIceberg's SQL catalog, DuckDB over the scanned Arrow table."""
+    the object store's keys: PyIceberg's SQL catalog, DuckDB over the scanned Arrow tables
+    (`data`: samples, `steps`, `checkpoints`)."""
     v = stack.values
     props = {"type": "sql", "uri": (f"postgresql+psycopg2://{v['FACTORY_PG_USER']}:{v['FACTORY_PG_PASSWORD']}@"
                                     f"{v['FACTORY_PG_HOST']}:{v['FACTORY_PG_PORT']}/iceberg"),
@@ -61,6 +62,8 @@ catalog = load_catalog("factory", **{props!r})  # a SQL catalog keys its tables 
 samples = catalog.load_table(("factory", "samples"))
 files = [t.file.file_path for t in samples.scan().plan_files()]
 data = samples.scan().to_arrow()
+steps = catalog.load_table(("factory", "steps")).scan().to_arrow()
+checkpoints = catalog.load_table(("factory", "checkpoints")).scan().to_arrow()
 print(json.dumps({{"files": files, "rows": duckdb.sql({sql!r}).fetchall()}}, default=str))
 """
     env = {"PATH": os.environ["PATH"], "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
@@ -142,6 +145,8 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
     state = stack.state()
     assert pid in {p.pid for p in psutil.Process(state["supervisor"]).children(recursive=True)}  # ours to kill
     daemon = state["services"]["dagster_daemon"]["pid"]
+    position_at_kill = samples_of(stack, key)[2]
+    killed_at = datetime.now(UTC)
     os.kill(daemon, signal.SIGKILL)
     os.kill(pid, signal.SIGKILL)
 
@@ -157,6 +162,12 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
     (relaunched,) = bob.wait_for_runs(1, 900, tags=[{"key": "factory/parent_run_id", "value": killed["runId"]}])
     assert relaunched["status"] == "SUCCESS", relaunched
     assert relaunched["tags"]["factory/sweep_run_id"] == sweeps["bob"]
+    assert relaunched["tags"]["factory/root_run_id"] == killed["runId"] and relaunched["tags"]["factory/attempt"] == "1"
+    (materialization,) = bob.materializations("rl_run", key)
+    resumed_from = Path(materialization["metadata"]["resumed_from"])
+    resumed_step = checkpoint_step(resumed_from)
+    assert resumed_from.parent == stack.home / "runs" / key / "checkpoints" and 3 <= resumed_step < 12
+    assert position_at_kill > resumed_step
     alice_runs = alice.wait_for_runs(2, 900, tags=[{"key": "factory/sweep_run_id", "value": sweeps["alice"]}])
     assert [r["status"] for r in alice_runs] == ["SUCCESS", "SUCCESS"]
     keys = sorted({r["tags"]["dagster/partition"] for r in alice_runs} | {key})
@@ -176,6 +187,15 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
         steps = 12 if run_key == key else 3
         assert samples_of(stack, run_key) == (steps * 16, steps * 16, steps), run_key
     assert not (stack.home / "lake").exists()
+    # bob's run: steps up to the checkpoint from the killed attempt, the rest from the relaunch (the
+    # rows the killed attempt wrote past its checkpoint were rewound); every step and checkpoint once
+    misplaced = lake_probe(stack, f"SELECT count(*) FROM data WHERE run_id = '{key}' AND ((written_at < "
+                                  f"TIMESTAMPTZ '{killed_at.isoformat()}') != (trained_step <= {resumed_step}))")
+    assert misplaced["rows"] == [[0]]
+    assert lake_probe(stack, f"SELECT list(step ORDER BY step) FROM steps WHERE run_id = '{key}'")["rows"] == \
+        [[list(range(1, 13))]]
+    assert lake_probe(stack, f"SELECT list(step ORDER BY step) FROM checkpoints WHERE run_id = '{key}'")["rows"] == \
+        [[[3, 6, 9, 12]]]
 
     # MLflow: one finished run per RL run on the tracking server, plots stored in the object store
     from mlflow import MlflowClient

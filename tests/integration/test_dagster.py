@@ -1,7 +1,8 @@
 """The Dagster code location on the real stack, through a `dagster dev` instance's GraphQL API:
 a sweep from the launchpad trains one run per grid point (Ray, vLLM, SQLite Iceberg catalog,
-SQLite MLflow), evaluations run on a checkpoint, and an RL run killed with SIGKILL comes back by
-itself from its last checkpoint with every sample and step in the lake exactly once.
+SQLite MLflow) and evaluations run on a checkpoint. (An RL run killed with SIGKILL coming back by
+itself from its last checkpoint, every sample and step in the lake once, is tested on the
+production profile, where the daemon is killed too: tests/infra/test_production.py.)
 
 Runs take the session's cached tiny policy (`model.path`): no SFT here. One RL run at a time
 (dagster.yaml's limit), each with its own vLLM server (~40 s to start).
@@ -10,16 +11,13 @@ Runs take the session's cached tiny policy (`model.path`): no SFT here. One RL r
 from __future__ import annotations
 
 import os
-import signal
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
 from assets.dev import DagsterDev
-from assets.runs import checkpoint_step, latest_checkpoint, partition_key
+from assets.runs import partition_key
 from assets.sweeps import parse_grid
 from factory.lake import open_catalog, sql
 from factory.recipe import expand_sweep
@@ -147,84 +145,6 @@ def test_a_sweep_of_two_points_trains_two_runs_with_lake_mlflow_and_evaluations(
     row = sql(f"SELECT n, mean FROM evaluations WHERE run_id = '{evaluated}' AND step = 2",
               catalog=catalog).to_pylist()
     assert row == [{"n": 32, "mean": pytest.approx(scored["metadata"]["accuracy"])}]
-
-
-def lake_position(catalog, key: str) -> int:
-    rows = sql(f"SELECT max(trained_step) AS s FROM samples WHERE run_id = '{key}'", catalog=catalog).to_pylist()
-    return rows[0]["s"] or 0
-
-
-def descends_from(pid: int, ancestor: int) -> bool:
-    while pid > 1:
-        if pid == ancestor:
-            return True
-        with open(f"/proc/{pid}/stat") as stat:
-            pid = int(stat.read().rsplit(")", 1)[1].split()[1])
-    return False
-
-
-def test_a_run_killed_with_sigkill_is_relaunched_from_its_last_checkpoint(dagster, policy):
-    steps = 20
-    # lake commits every 0.5 s (not the default 5 s), so rows past a checkpoint reach the lake before the kill
-    run_overrides = overrides(policy, f"train.steps={steps}", "train.checkpoint_every=4", "eval.before=false",
-                              "eval.after=false", "train.max_restarts=1", "lake.commit_interval_s=0.5")
-    sweep = launch_sweep(dagster, run_overrides, [])
-    catalog = lake(dagster.home)
-
-    # wait until the run has a checkpoint and the lake holds samples of a later step, then kill -9
-    # the run worker: the process that executes the RL run (Ray driver, trainer loop, lake writer)
-    deadline = time.monotonic() + 600
-    while True:
-        runs = dagster.runs(tags=[{"key": "factory/sweep_run_id", "value": sweep}])
-        assert all(r["status"] not in ("SUCCESS", "FAILURE", "CANCELED") for r in runs), runs
-        if runs and runs[0]["status"] == "STARTED":
-            killed = runs[0]
-            key = killed["tags"]["dagster/partition"]
-            directory = dagster.home / "runs" / key
-            checkpoint = latest_checkpoint(directory)
-            if checkpoint is not None and lake_position(catalog, key) > checkpoint_step(checkpoint):
-                break
-        assert time.monotonic() < deadline, "the run never got past a checkpoint"
-        time.sleep(0.5)
-    (pid,) = {int(e["metadata"]["pid"]) for e in dagster.events(killed["runId"])
-              if e["__typename"] == "EngineEvent" and (e["message"] or "").startswith("Started process for run")}
-    assert descends_from(pid, dagster.process.pid)  # a process this test started, through dagster dev
-    position_at_kill = lake_position(catalog, key)
-    killed_at = datetime.now(timezone.utc)
-    os.kill(pid, signal.SIGKILL)
-
-    # run monitoring marks it failed; rl_run_recovery relaunches it from the latest checkpoint
-    assert dagster.wait_for_run(killed["runId"], 120)["status"] == "FAILURE"
-    (relaunched,) = dagster.wait_for_runs(1, 900, tags=[{"key": "factory/parent_run_id", "value": killed["runId"]}])
-    assert relaunched["status"] == "SUCCESS", relaunched
-    assert relaunched["tags"]["factory/root_run_id"] == killed["runId"]
-    assert relaunched["tags"]["factory/attempt"] == "1" and relaunched["tags"]["factory/sweep_run_id"] == sweep
-    (materialization,) = dagster.materializations("rl_run", key)
-    resumed_from = Path(materialization["metadata"]["resumed_from"])
-    resumed_step = int(resumed_from.name.removeprefix("step-"))
-    assert resumed_from.parent == directory / "checkpoints" and 4 <= resumed_step < steps
-    assert position_at_kill > resumed_step
-
-    # the lake: every step once, every sample id once, B·G samples per step; steps up to the
-    # checkpoint from the first attempt, the rest from the relaunch (the rows the killed attempt
-    # wrote past its checkpoint were rewound)
-    samples = sql(f"SELECT sample_id, trained_step, written_at FROM samples WHERE run_id = '{key}'",
-                  catalog=catalog).to_pylist()
-    ids = [s["sample_id"] for s in samples]
-    assert len(ids) == len(set(ids)) == steps * 16
-    assert sorted({s["trained_step"] for s in samples}) == list(range(1, steps + 1))
-    assert all((s["written_at"] < killed_at) == (s["trained_step"] <= resumed_step) for s in samples)
-    step_rows = sql(f"SELECT step FROM steps WHERE run_id = '{key}' ORDER BY 1", catalog=catalog).to_pylist()
-    assert [r["step"] for r in step_rows] == list(range(1, steps + 1))
-    checkpoints = sql(f"SELECT step FROM checkpoints WHERE run_id = '{key}' ORDER BY 1", catalog=catalog).to_pylist()
-    assert [r["step"] for r in checkpoints] == [4, 8, 12, 16, 20]
-
-    # the same MLflow run, continued
-    mlflow = mlflow_runs(dagster.home)
-    assert mlflow[key].info.status == "FINISHED"
-    assert mlflow[key].data.tags["factory.resumed"] == "1"
-    assert mlflow[key].data.tags["factory.resumed_from_step"] == str(resumed_step)
-    assert materialization["metadata"]["mlflow_run_id"] == mlflow[key].info.run_id
 
 
 def test_main_materializes_the_asset_graph_in_process(policy, tmp_path, monkeypatch):
