@@ -185,7 +185,7 @@ class OffPolicyCorrection(Section):
         return name
 
     @model_validator(mode="after")
-    def _reads_what_is_set(self) -> "OffPolicyCorrection":
+    def _reads_what_is_set(self) -> OffPolicyCorrection:
         from factory.algo import CORRECTION_PARAMS
 
         takes = CORRECTION_PARAMS[self.name]
@@ -380,7 +380,7 @@ class Recipe(Section):
     )
 
     @model_validator(mode="after")
-    def _check_registries(self) -> "Recipe":
+    def _check_registries(self) -> Recipe:
         from factory.algo import ADVANTAGES, POLICY_LOSSES
         from factory.envs import ENVIRONMENTS
 

@@ -7,7 +7,8 @@ gateway records what was sampled; the environment only returns the reward of its
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 from factory.types import Task
 

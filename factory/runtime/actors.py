@@ -55,7 +55,7 @@ class EngineActor(Placed):
     """A rollout engine on its node. `model`: a DirBundle (shipped by the run) or a path on this node;
     with `url` it attaches to that running server instead of starting one."""
 
-    def __init__(self, kind: str, model: "str | DirBundle", rollout, log_path: str | None = None, lora_rank: int = 0,
+    def __init__(self, kind: str, model: str | DirBundle, rollout, log_path: str | None = None, lora_rank: int = 0,
                  url: str | None = None):
         from factory.rollout.engines import EngineBuild, make_engine
 
@@ -90,7 +90,7 @@ class EngineActor(Placed):
     async def receive_broadcast(self) -> None:
         await self.engine.receive_broadcast()
 
-    async def load_bundle(self, bundle: "DirBundle", kind: str) -> None:
+    async def load_bundle(self, bundle: DirBundle, kind: str) -> None:
         """Weights (`disk`: an HF model dir) or a LoRA adapter (`lora`) that came over the network:
         written to this node's scratch directory, then loaded from there."""
         path = str(bundle.write(self.scratch / kind))
@@ -198,7 +198,7 @@ class EnvWorkerActor(Placed):
     """Hosts a gateway and runs environment episodes against it, feeding groups to the buffer.
     `model`: a DirBundle or a path on this node (the tokenizer is read from it)."""
 
-    def __init__(self, model: "str | DirBundle", environment, rollout, engines: list, buffer):
+    def __init__(self, model: str | DirBundle, environment, rollout, engines: list, buffer):
         from transformers import AutoTokenizer
 
         from factory.envs.base import make_environment
@@ -265,7 +265,7 @@ class TrainerActor(Placed):
     """The trainer on its node. `model`: a DirBundle or a path on this node. Nothing it writes is read
     by path elsewhere: weights, adapters and checkpoints leave it as DirBundles."""
 
-    def __init__(self, model: "str | DirBundle", algorithm, train, rollout):
+    def __init__(self, model: str | DirBundle, algorithm, train, rollout):
         from factory.trainer import Trainer
 
         self.trainer = Trainer(local_dir(model, "trainer model"), algorithm, train, rollout)
@@ -300,7 +300,7 @@ class TrainerActor(Placed):
     def broadcast(self) -> int:
         return self.broadcaster.broadcast(self.plan, self.trainer.named_weights())
 
-    def export_weights(self, kind: str) -> tuple["DirBundle", int]:
+    def export_weights(self, kind: str) -> tuple[DirBundle, int]:
         """`disk`: the policy as an HF model dir; `lora`: the adapter alone. As a bundle, and its bytes."""
         with tempfile.TemporaryDirectory(prefix="factory-export-") as tmp:
             if kind == "lora":
@@ -316,13 +316,13 @@ class TrainerActor(Placed):
     def logprobs(self, samples) -> list[list[float]]:
         return self.trainer.logprobs(samples)
 
-    def checkpoint(self, extra: dict) -> "DirBundle":
+    def checkpoint(self, extra: dict) -> DirBundle:
         """A checkpoint (see Trainer.save_checkpoint) as a bundle; the driver writes it into the run dir."""
         with tempfile.TemporaryDirectory(prefix="factory-ckpt-") as tmp:
             self.trainer.save_checkpoint(Path(tmp) / "ckpt", extra)
             return DirBundle.of(Path(tmp) / "ckpt", "checkpoint")
 
-    def load_checkpoint(self, checkpoint: "str | DirBundle") -> dict:
+    def load_checkpoint(self, checkpoint: str | DirBundle) -> dict:
         return self.trainer.load_checkpoint(local_dir(checkpoint, "checkpoint to resume from"))
 
     def version(self) -> int:
@@ -337,7 +337,7 @@ class ScorerActor(Placed):
     """The scoring phase's model (e.g. a distillation teacher) in its own process. `teacher`: the teacher
     model as a DirBundle (shipped by the run) or a path on this node."""
 
-    def __init__(self, distill, rollout, teacher: "str | DirBundle"):
+    def __init__(self, distill, rollout, teacher: str | DirBundle):
         from factory.scoring import make_scorer
 
         local = local_dir(teacher, "algorithm.distill.teacher")
