@@ -84,15 +84,21 @@ def cmd_check(args) -> int:
     return 0 if all(r.passed for r in results.values()) else 1
 
 
-def add_lake_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Add `lake sql|maintain|check` to a `factory` CLI's subparsers (each sets `fn`)."""
+def catalog_arguments() -> argparse.ArgumentParser:
+    """The --catalog/--namespace options every command that reads the lake shares (a parent parser)."""
     from factory.lake.schemas import NAMESPACE
 
-    lake = subparsers.add_parser("lake", help="the Iceberg trajectory lake: SQL, maintenance, checks")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--catalog", action="append", default=[], metavar="KEY=VALUE",
-                        help="PyIceberg catalog property (default: the SQLite catalog under the state dir)")
+                        help="PyIceberg catalog property (default: the profile's catalog)")
     common.add_argument("--namespace", default=NAMESPACE)
+    return common
+
+
+def add_lake_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add `lake sql|maintain|check` to a `factory` CLI's subparsers (each sets `fn`)."""
+    lake = subparsers.add_parser("lake", help="the Iceberg trajectory lake: SQL, maintenance, checks")
+    common = catalog_arguments()
     sub = lake.add_subparsers(dest="lake_command", required=True)
 
     q = sub.add_parser("sql", parents=[common], help='run DuckDB SQL over the lake tables, e.g. "SELECT * FROM steps"')

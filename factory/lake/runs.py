@@ -183,9 +183,8 @@ def cmd_compare(args) -> int:
 
 def add_runs_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add `runs list|show|compare` to a `factory` CLI's subparsers (each sets `fn`)."""
-    from factory.lake.cli import _USER_ERRORS, _fail, _open
+    from factory.lake.cli import _USER_ERRORS, _fail, _open, catalog_arguments
     from factory.lake.query import first_line
-    from factory.lake.schemas import NAMESPACE
 
     def guarded(fn):
         def call(args) -> int:
@@ -197,10 +196,7 @@ def add_runs_commands(subparsers: argparse._SubParsersAction) -> None:
         return call
 
     runs = subparsers.add_parser("runs", help="runs as the lake recorded them: list, show, compare")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--catalog", action="append", default=[], metavar="KEY=VALUE",
-                        help="PyIceberg catalog property (default: the profile's catalog)")
-    common.add_argument("--namespace", default=NAMESPACE)
+    common = catalog_arguments()
     sub = runs.add_subparsers(dest="runs_command", required=True)
     sub.add_parser("list", parents=[common], help="every run: origin, steps, last held-out accuracy, samples/s") \
         .set_defaults(fn=guarded(cmd_list))
