@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
 
-from factory.recipe import RecipeError, expand_sweep, json_schema, load_recipe
+from factory.failures import RunFailure
+from factory.recipe import Recipe, RecipeError, expand_sweep, json_schema, load_recipe, machine_problems
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -37,9 +39,20 @@ def new_run_dir(name: str) -> Path:
     return runs_dir() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _loaded(file: str, overrides: list[str], check_machine: bool = True) -> Recipe:
+    """The recipe, also checked against this machine (model.path, context, engine installed);
+    RecipeError with one line per problem."""
+    recipe = load_recipe(file, overrides)
+    if check_machine:
+        problems = [line for _, point in expand_sweep(recipe) for line in machine_problems(point, file)]
+        if problems:
+            raise RecipeError(list(dict.fromkeys(problems)))
+    return recipe
+
+
 def cmd_recipe_check(args) -> int:
     try:
-        recipe = load_recipe(args.file, args.overrides)
+        recipe = _loaded(args.file, args.overrides)
     except RecipeError as err:
         print(str(err), file=sys.stderr)
         return 2
@@ -63,7 +76,9 @@ def _train_with_progress(recipe, run_dir: Path) -> dict:
                    on_sft_step=progress.on_sft_step)
 
 
-def print_summary(results: dict) -> None:
+def print_summary(results: dict, recipe: Recipe | None = None) -> None:
+    """The run's scores, time and outputs; with its `recipe`, also the commands that open its metrics and
+    samples."""
     def acc(key: str) -> str:
         r = results.get(key)
         return f"{r['mean']:.3f} ± {r['stderr']:.3f} (n={r['n']})" if r else "not evaluated"
@@ -76,12 +91,40 @@ def print_summary(results: dict) -> None:
         print(f"improvement        : {results['delta']:+.3f} (2·SE = {2 * results['delta_stderr']:.3f}; beyond 2·SE: {verdict})")
     print(f"time               : {results['total_seconds']:.0f}s total, {results['train_seconds']:.0f}s training "
           f"({results['samples_trained']} samples, trainer idle {results['trainer_idle_fraction']:.0%})")
-    print(f"outputs            : {results['run_dir']} (results.json, metrics.jsonl, samples.jsonl, checkpoints/)")
+    run_dir = Path(results["run_dir"])
+    files = ["results.json", "metrics.jsonl", "samples.jsonl", "checkpoints/"]
+    files += ["plots/ (reward, throughput, staleness)"] if (run_dir / "plots").is_dir() else []
+    print(f"outputs            : {run_dir} ({', '.join(files)})")
+    for line in where_to_look(recipe, run_dir) if recipe is not None else []:
+        print(line)
+
+
+def state_prefix() -> str:
+    """`FACTORY_HOME=… ` when the state dir was moved, so a printed command finds this run's state."""
+    home = os.environ.get("FACTORY_HOME")
+    return f"FACTORY_HOME={shlex.quote(str(Path(home).resolve()))} " if home else ""
+
+
+def where_to_look(recipe: Recipe, run_dir: Path) -> list[str]:
+    """Commands that open this run's metrics and samples, runnable as printed (the state dir included)."""
+    bin_dir = Path(sys.executable).parent
+    lines = []
+    if recipe.tracking.enabled:
+        from factory.tracking import default_tracking_uri
+
+        uri = recipe.tracking.uri or default_tracking_uri()
+        lines.append(f"MLflow UI          : {bin_dir / 'mlflow'} ui --backend-store-uri {uri} --port 5000 "
+                     f"(experiment '{recipe.tracking.experiment}', run '{run_dir.name}')")
+    if recipe.lake.enabled:
+        query = (f"SELECT trained_step, count(*) AS samples, avg(reward) AS reward FROM samples "
+                 f"WHERE run_id = '{run_dir.name}' GROUP BY 1 ORDER BY 1")
+        lines.append(f"SQL over the lake  : {state_prefix()}{bin_dir / 'factory'} lake sql \"{query}\"")
+    return lines
 
 
 def cmd_run(args) -> int:
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = _loaded(args.recipe, args.overrides)
     except RecipeError as err:
         print(str(err), file=sys.stderr)
         return 2
@@ -92,13 +135,15 @@ def cmd_run(args) -> int:
         results = _train_with_progress(recipe, run_dir)
     except _user_errors() as err:
         return _fail(_cause(err))
-    print_summary(results)
+    except RunFailure as err:  # whole: an environment's failure carries its first traceback
+        return _fail(str(err), 1)
+    print_summary(results, recipe)
     return 0
 
 
 def cmd_sweep(args) -> int:
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = _loaded(args.recipe, args.overrides, check_machine=not args.dry_run)
     except RecipeError as err:
         print(str(err), file=sys.stderr)
         return 2
@@ -108,21 +153,29 @@ def cmd_sweep(args) -> int:
         print(f"\n### {sub.name}  {point}")
         if args.dry_run:
             continue
-        print_summary(_train_with_progress(sub, new_run_dir(sub.name)))
+        print_summary(_train_with_progress(sub, new_run_dir(sub.name)), sub)
     return 0
 
 
 def cmd_evaluate(args) -> int:
     from factory.evaluate import evaluate_checkpoint
 
+    from factory.progress import EvaluationProgress
+
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        result = evaluate_checkpoint(recipe, args.checkpoint, args.suite, args.n)
+        recipe = _loaded(args.recipe, args.overrides)
+        with EvaluationProgress() as progress:
+            result = evaluate_checkpoint(recipe, args.checkpoint, args.suite, args.n, on_phase=progress.on_phase,
+                                         on_progress=progress.on_progress)
     except RecipeError as err:
         print(str(err), file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as err:
         return _fail(str(err))
+    except _user_errors() as err:
+        return _fail(_cause(err))
+    except RunFailure as err:
+        return _fail(str(err), 1)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import tempfile
 from pathlib import Path
+from collections.abc import Callable
 
 import ray
 
@@ -17,6 +18,8 @@ from factory.data.tasks import ReasoningGymSource, seeded_subset
 from factory.recipe import Recipe
 from factory.runtime.actors import EngineActor, EnvWorkerActor, placed
 from factory.runtime.cluster import local_ray
+from factory.rollout.episodes import summarize
+from factory.runtime.deadlines import Deadline
 from factory.runtime.transfer import DirBundle
 from factory.runtime.weights import load_bundle
 
@@ -28,27 +31,40 @@ def tasks_digest(tasks) -> str:
     return hashlib.sha256("\n".join(sorted(t.task_id for t in tasks)).encode()).hexdigest()[:12]
 
 
-def evaluate_workers(workers, tasks, recipe: Recipe, tag: str) -> dict:
-    """One episode per task, sharded over `workers`; mean reward ± standard error, per family, and
-    the digest of the task set."""
-    shards = [tasks[i:: len(workers)] for i in range(len(workers))]
-    parts = ray.get([w.evaluate.remote(s, recipe.eval.temperature, recipe.rollout.max_new_tokens, f"{tag}-{i}")
-                     for i, (w, s) in enumerate(zip(workers, shards)) if s])
-    return {**_merge(parts), "tasks_digest": tasks_digest(tasks)}
+CHUNK = 32  # tasks per call: progress moves every CHUNK episodes
+IN_FLIGHT = 4  # calls per worker at once: CHUNK * IN_FLIGHT episodes in flight, as before in one call
 
 
-def _merge(parts: list[dict]) -> dict:
-    """Shard results as one: the pooled mean, and SE = sqrt(Σ (n_i·SE_i)²) / n."""
-    if len(parts) == 1:
-        return parts[0]
-    n = sum(p["n"] for p in parts)
-    mean = sum(p["mean"] * p["n"] for p in parts) / n
-    stderr = sum((p["stderr"] * p["n"]) ** 2 for p in parts) ** 0.5 / n
-    families: dict[str, float] = {}
-    for f in {f for p in parts for f in p["by_family"]}:
-        weighted = [(p["by_family"][f], p["n"]) for p in parts if f in p["by_family"]]
-        families[f] = sum(v * k for v, k in weighted) / sum(k for _, k in weighted)
-    return {"mean": mean, "stderr": stderr, "n": n, "by_family": families}
+def evaluate_workers(workers, tasks, recipe: Recipe, tag: str,
+                     on_progress: Callable[[int, int], None] | None = None) -> dict:
+    """One episode per task, in chunks spread over `workers`; mean reward ± standard error over all of
+    them, per family, and the digest of the task set. `on_progress(done, total)` after each chunk; the
+    whole evaluation ends within `deadlines.evaluation_s`."""
+    deadline = Deadline(recipe.deadlines.evaluation_s, f"evaluation {tag} on {len(tasks)} tasks",
+                        "deadlines.evaluation_s")
+    chunks = [(i, tasks[i: i + CHUNK]) for i in range(0, len(tasks), CHUNK)]
+    rewards: dict[int, list[float]] = {}
+    running: dict = {}  # ObjectRef -> (worker, chunk start)
+    busy = dict.fromkeys(range(len(workers)), 0)
+    while chunks or running:
+        for w in range(len(workers)):
+            while chunks and busy[w] < IN_FLIGHT:
+                start, part = chunks.pop(0)
+                ref = workers[w].rewards.remote(part, recipe.eval.temperature, recipe.rollout.max_new_tokens,
+                                                f"{tag}-{start}")
+                running[ref] = (w, start)
+                busy[w] += 1
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=deadline.left())
+        if not ready:
+            raise deadline.exceeded()
+        for ref in ready:
+            w, start = running.pop(ref)
+            busy[w] -= 1
+            rewards[start] = deadline.get(ref)
+        if on_progress:
+            on_progress(sum(len(r) for r in rewards.values()), len(tasks))
+    ordered = [r for start in sorted(rewards) for r in rewards[start]]
+    return {**summarize(ordered, [t.family for t in tasks]).to_dict(), "tasks_digest": tasks_digest(tasks)}
 
 
 def suite_tasks(recipe: Recipe, suite: str = "heldout", n: int | None = None,
@@ -65,19 +81,24 @@ def suite_tasks(recipe: Recipe, suite: str = "heldout", n: int | None = None,
 
 
 def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "heldout", n: int | None = None,
-                        engines: list | None = None) -> dict:
+                        engines: list | None = None, on_phase: Callable[[str], None] | None = None,
+                        on_progress: Callable[[int, int], None] | None = None) -> dict:
     """Score the policy saved at `checkpoint` (an HF model dir) on `suite`.
 
     Starts its own engine, or reuses started `engines` after loading the checkpoint into them
-    (disk reload; they keep those weights afterwards)."""
+    (disk reload; they keep those weights afterwards). `on_phase(text)` names each stage,
+    `on_progress(done, total)` counts episodes."""
+    phase = on_phase or (lambda _: None)
     checkpoint = Path(checkpoint)
     if not (checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"{checkpoint}: not a model directory (no config.json)")
+    phase(f"choosing {n or recipe.eval.heldout} {suite} tasks (a sample seeded by eval.seed={recipe.eval.seed})")
     tasks = suite_tasks(recipe, suite, n)
     with local_ray(), tempfile.TemporaryDirectory(prefix="factory-eval-") as tmp:
         model = ray.put(DirBundle.of(checkpoint, exclude=("trainer.pt",)))  # to whichever nodes serve it
         own = engines is None
         if own:
+            phase(f"starting a {recipe.rollout.engine} engine on {checkpoint}")
             engines = [placed(EngineActor, recipe.placement.engine).remote(
                 recipe.rollout.engine, model, recipe.rollout, str(Path(tmp) / "engine.log"))]
             ray.get([e.start.remote() for e in engines])
@@ -86,10 +107,12 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "he
             load_bundle(engines, model, "disk")
             ray.get([e.end_update.remote(-1) for e in engines])  # -1: not a version of any run
         worker = placed(EnvWorkerActor, recipe.placement.env_worker).remote(model, recipe.environment, recipe.rollout,
-                                                                             engines, None)
+                                                                             engines, None, recipe.failures,
+                                                                             recipe.deadlines)
         try:
             ray.get(worker.start.remote())
-            return evaluate_workers([worker], tasks, recipe, f"eval-{suite}")
+            phase(f"evaluating on {len(tasks)} {suite} tasks")
+            return evaluate_workers([worker], tasks, recipe, f"eval-{suite}", on_progress)
         finally:
             ray.get(worker.close.remote())
             if own:

@@ -53,3 +53,34 @@ class RunProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class EvaluationProgress:
+    """`factory evaluate`'s terminal progress: its stages, then a bar over episodes (rate, ETA) on stderr.
+    `with EvaluationProgress() as p: evaluate_checkpoint(..., on_phase=p.on_phase, on_progress=p.on_progress)`."""
+
+    def __init__(self, console: Console | None = None):
+        self.console = console or Console(stderr=True)
+        self.bar = Progress(TextColumn("[bold]evaluating {task.completed:>5.0f}/{task.total:.0f} episodes"), BarColumn(),
+                            TextColumn("{task.fields[rate]:.1f} episodes/s"),
+                            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console)
+        self.task = None
+        self.t0 = 0.0
+
+    def on_phase(self, text: str) -> None:
+        self.console.print(f"[cyan]»[/cyan] {text}")
+
+    def on_progress(self, done: int, total: int) -> None:
+        import time
+
+        if self.task is None:
+            self.bar.start()
+            self.t0 = time.perf_counter()
+            self.task = self.bar.add_task("eval", total=total, rate=0.0)
+        self.bar.update(self.task, completed=done, rate=done / max(time.perf_counter() - self.t0, 1e-9))
+
+    def __enter__(self) -> EvaluationProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()

@@ -98,7 +98,7 @@ class SandboxSection(Section):
 
 
 class EnvironmentSection(Section):
-    name: str = Field("single_turn", description="a registered environment")
+    name: str = Field("single_turn", description="a registered environment, or package.module:attr of your own")
     system_prompt: str | None = None
     workers: int = Field(1, gt=0, description="env worker actors, each hosting a gateway")
     latency: LatencySection = Field(default_factory=LatencySection)
@@ -324,6 +324,27 @@ class EvalSection(Section):
     after: bool = True
 
 
+class FailuresSection(Section):
+    """When failed groups (an environment, reward or sandbox error in an episode) fail the run."""
+
+    max_in_a_row: int = Field(20, gt=0, description="consecutive failed groups that fail the run")
+    max_share: float = Field(0.5, ge=0, le=1, description="share of finished groups failed that fails the run, "
+                             "once min_groups have finished")
+    min_groups: int = Field(20, gt=0, description="finished groups before max_share applies")
+    tracebacks: int = Field(3, ge=0, description="failures each env worker logs with their whole traceback; "
+                            "after them, a count line at 2^k failures")
+
+
+class DeadlinesSection(Section):
+    """How long each wait of the run may take before the run fails with an error naming it."""
+
+    batch_s: float = Field(600, gt=0, description="the trainer waiting for its next batch")
+    weight_sync_s: float = Field(300, gt=0, description="one weight sync into the engines (drain, transfer, reopen)")
+    engine_call_s: float = Field(300, gt=0, description="one generation request to an engine (its episode fails)")
+    train_step_s: float = Field(600, gt=0, description="one trainer step (also a checkpoint save, a scoring pass)")
+    evaluation_s: float = Field(1800, gt=0, description="one held-out evaluation")
+
+
 class LakeSection(Section):
     enabled: bool = False
     catalog: dict[str, Any] = Field(default_factory=dict, description="PyIceberg catalog properties")
@@ -372,6 +393,8 @@ class Recipe(Section):
     async_: AsyncSection = Field(default_factory=AsyncSection, alias="async")
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+    failures: FailuresSection = Field(default_factory=FailuresSection)
+    deadlines: DeadlinesSection = Field(default_factory=DeadlinesSection)
     lake: LakeSection = Field(default_factory=LakeSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     placement: PlacementSection = Field(default_factory=PlacementSection)
@@ -382,16 +405,19 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _check_registries(self) -> Recipe:
         from factory.algo import ADVANTAGES, POLICY_LOSSES
-        from factory.envs import ENVIRONMENTS
+        from factory.envs.base import environment_factory
 
         checks = [
             ("algorithm.advantage", self.algorithm.advantage, ADVANTAGES),
             ("algorithm.loss", self.algorithm.loss, POLICY_LOSSES),
-            ("environment.name", self.environment.name, ENVIRONMENTS),
         ]
         for path, value, registry in checks:
             if value not in registry:
                 raise ValueError(f"{path}: unknown {value!r}; choose one of {sorted(registry)}")
+        try:
+            environment_factory(self.environment.name)
+        except ValueError as err:
+            raise ValueError(f"environment.name: {err}") from None
         from factory.rollout.engines import ENGINES
 
         if self.rollout.engine not in ENGINES:
@@ -406,6 +432,17 @@ class Recipe(Section):
         if (self.rollout.weight_sync == "lora") != self.train.lora.enabled:
             raise ValueError("rollout.weight_sync: use 'lora' exactly when train.lora.enabled is true "
                              f"(got weight_sync={self.rollout.weight_sync!r}, lora.enabled={self.train.lora.enabled})")
+        return self
+
+    @model_validator(mode="after")
+    def _fits_the_context(self) -> Recipe:
+        r = self.rollout
+        if r.max_new_tokens >= r.max_model_len:
+            raise ValueError(f"rollout.max_new_tokens: {r.max_new_tokens} leaves no room for a prompt within "
+                             f"rollout.max_model_len={r.max_model_len}")
+        if not self.model.path and r.max_model_len > self.model.max_position:
+            raise ValueError(f"rollout.max_model_len: {r.max_model_len} is beyond the built model's context "
+                             f"(model.max_position={self.model.max_position})")
         return self
 
     def dump(self) -> dict[str, Any]:
@@ -515,6 +552,7 @@ def _format_errors(
             path, msg = in_message.groups()
         dotted = path.replace("[", ".").replace("]", "")
         for target, text in (overrides or {}).items():
+            target = target.replace("[", ".").replace("]", "")
             if dotted == target or dotted.startswith(target + ".") or target.startswith(dotted + "."):
                 msg += f" (from override {text!r})"
                 break
@@ -538,17 +576,68 @@ def parse_override(text: str) -> tuple[str, Any]:
     return path.strip(), value
 
 
+_PATH_PART = re.compile(r"^([A-Za-z_]\w*)((?:\[\d+\])*)$")  # `families` or `families[0]` (or `m[0][1]`)
+
+
+def _path_steps(path: str) -> list[str | int]:
+    """'data.families[0].name' -> ['data', 'families', 0, 'name']."""
+    steps: list[str | int] = []
+    for part in path.split("."):
+        match = _PATH_PART.match(part.strip())
+        if not match:
+            raise RecipeError([f"field path {path!r}: {part!r} is not a field name, optionally with [index], "
+                               "e.g. data.families[0].name"])
+        steps.append(match.group(1))
+        steps.extend(int(i) for i in re.findall(r"\[(\d+)\]", match.group(2)))
+    return steps
+
+
+def _list_default(steps: list[str | int]) -> Any:
+    """The default (as recipe data) of the list field at `steps`, None when that is not a recipe field."""
+    model: Any = Recipe
+    field = None
+    for step in steps:
+        if isinstance(step, int):
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        field = next((f for n, f in model.model_fields.items() if step in (n, f.alias)), None)
+        if field is None:
+            return None
+        annotation = field.annotation
+        model = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else annotation
+    default = field.get_default(call_default_factory=True) if field is not None else None
+    if not isinstance(default, list):
+        return None
+    return [d.model_dump(mode="json") if isinstance(d, BaseModel) else d for d in default]
+
+
 def set_dotted(data: dict[str, Any], path: str, value: Any) -> None:
-    keys = path.split(".")
-    node = data
-    for k in keys[:-1]:
-        child = node.get(k)
-        if child is None:
-            child = node[k] = {}
-        if not isinstance(child, dict):
-            raise RecipeError([f"field path {path!r}: {k!r} holds a value, not a section of fields"])
+    """Set `path` (dotted fields, list items by index: `data.families[0].name`) in `data`, making the
+    sections it passes through; an index must name an item the list already has."""
+    steps = _path_steps(path)
+    node: Any = data
+    for i, (step, nxt) in enumerate(zip(steps, steps[1:])):
+        where = _field_path(tuple(steps[: i + 1]))
+        if isinstance(step, int):
+            if not isinstance(node, list) or step >= len(node):
+                size = f"has {len(node)} item(s)" if isinstance(node, list) else "is not a list"
+                raise RecipeError([f"field path {path!r}: {_field_path(tuple(steps[:i]))} {size}; no item [{step}]"])
+            child = node[step]
+        else:
+            child = node.get(step)
+            if child is None:  # not in the file: a list starts from its default (data.families), a section empty
+                child = node[step] = _list_default(steps[: i + 1]) if isinstance(nxt, int) else {}
+        if isinstance(nxt, int) and not isinstance(child, list):
+            raise RecipeError([f"field path {path!r}: {where} is not a list"])
+        if isinstance(nxt, str) and not isinstance(child, dict):
+            raise RecipeError([f"field path {path!r}: {where!r} holds a value, not a section of fields"])
         node = child
-    node[keys[-1]] = value
+    last = steps[-1]
+    if isinstance(last, int):
+        if not isinstance(node, list) or last >= len(node):
+            raise RecipeError([f"field path {path!r}: {_field_path(tuple(steps[:-1]))} has no item [{last}]"])
+    node[last] = value
 
 
 def recipe_from_dict(data: Any, source: str = "<recipe>", overrides: list[str] = ()) -> Recipe:
@@ -562,12 +651,18 @@ def recipe_from_dict(data: Any, source: str = "<recipe>", overrides: list[str] =
     overridden: dict[str, str] = {}
     for o in overrides:
         path, value = parse_override(o)
-        set_dotted(data, path, value)
+        try:
+            set_dotted(data, path, value)
+        except RecipeError as err:
+            raise RecipeError([f"{source}: {line} (from override {o!r})" for line in err.problems]) from None
         overridden[path] = o
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as err:
         raise RecipeError(_format_errors(source, err, overridden)) from None
+    if recipe.sweep:  # every grid point is checked now, not when a sweep reaches it
+        expand_sweep(recipe, source)
+    return recipe
 
 
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
@@ -586,25 +681,70 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<root>"
         problem = str(getattr(err, "problem", None) or err).replace("\n", " ")
         raise RecipeError([f"{p}: {where}: invalid YAML ({problem})"]) from None
+    if data is None:
+        raise RecipeError([f"{p}: the file is empty{' (only comments)' if text.strip() else ''}; a recipe needs at "
+                           "least one section, e.g. `name: my-run` (recipes/default.yaml shows them all)"])
     return recipe_from_dict(data, str(p), overrides)
 
 
-def expand_sweep(recipe: Recipe) -> list[tuple[dict[str, Any], Recipe]]:
-    """One (grid point, recipe) per element of the product of `sweep`'s value lists."""
+def expand_sweep(recipe: Recipe, source: str = "<recipe>") -> list[tuple[dict[str, Any], Recipe]]:
+    """One (grid point, recipe) per element of the product of `sweep`'s value lists. A grid value that
+    makes an invalid recipe is a RecipeError naming the point, one line per distinct problem."""
     if not recipe.sweep:
         return [({}, recipe)]
     base = recipe.dump()
     base["sweep"] = {}
     keys = list(recipe.sweep)
-    out = []
+    out, problems = [], {}
     for values in itertools.product(*(recipe.sweep[k] for k in keys)):
         point = dict(zip(keys, values))
+        where = f"{source}: sweep point {', '.join(f'{k}={_show(v)}' for k, v in point.items())}"
         data = copy.deepcopy(base)
-        for k, v in point.items():
-            set_dotted(data, k, v)
         suffix = "-".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in point.items())
         data["name"] = f"{recipe.name}-{suffix}"
-        out.append((point, recipe_from_dict(data, f"sweep point {point}")))
+        try:
+            for k, v in point.items():
+                set_dotted(data, k, v)
+            out.append((point, recipe_from_dict(data, where)))
+        except RecipeError as err:
+            for line in err.problems:  # a bad value fails every point holding it: report it once
+                problems.setdefault(line.removeprefix(where).removeprefix(": ").split(" (from", 1)[0],
+                                    line if line.startswith(where) else f"{where}: {line}")
+    if problems:
+        raise RecipeError(list(problems.values()))
+    return out
+
+
+def machine_problems(recipe: Recipe, source: str = "<recipe>") -> list[str]:
+    """What this machine lacks to run `recipe`, one line each (`recipe check` and `factory run` ask before
+    anything starts): a `model.path` that is not a model directory, a context shorter than
+    `rollout.max_model_len`, an engine that is not installed here. Not part of validation: a recipe may be
+    written on one machine for another."""
+    out = []
+    if recipe.model.path:
+        path = Path(recipe.model.path)
+        config = path / "config.json"
+        if not path.exists():
+            out.append(f"{source}: model.path: {path} does not exist")
+        elif not config.is_file():
+            out.append(f"{source}: model.path: {path} is not a model directory (no config.json)")
+        else:
+            try:
+                context = json.loads(config.read_text()).get("max_position_embeddings")
+            except (OSError, ValueError, AttributeError) as err:
+                out.append(f"{source}: model.path: cannot read {config} ({err})")
+                context = None
+            if isinstance(context, int) and recipe.rollout.max_model_len > context:
+                out.append(f"{source}: rollout.max_model_len: {recipe.rollout.max_model_len} is beyond the context of "
+                           f"{path} (max_position_embeddings={context})")
+            if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+                out.append(f"{source}: model.path: {path} holds no weights (*.safetensors or *.bin)")
+    if not recipe.rollout.urls:  # attached engines run elsewhere
+        from factory.rollout.engines import ENGINES
+
+        missing = ENGINES.get(recipe.rollout.engine).missing()
+        if missing:
+            out.append(f"{source}: rollout.engine: {recipe.rollout.engine} cannot start on this machine: {missing}")
     return out
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from factory import lineage
 from factory.types import Batch
 
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # values in MLflow's UI: genai_development, custom_model_development
 LAKE_BATCH_ROWS = 8192  # a table this far behind commits at once, whatever its interval
 
 
@@ -60,6 +61,9 @@ class RunRecorder:
             if lineage.context().get("mlflow_parent_run_id"):  # a sweep's child run
                 tags["mlflow.parentRunId"] = lineage.context()["mlflow_parent_run_id"]
             self.tracker.start(self.run_id, params=recipe.dump(), tags=tags, resume_run_id=resume)
+            # MLflow 3's UI opens an experiment without this tag on its GenAI (traces) view; ours hold training runs
+            experiment = self.tracker.client.get_run(self.tracker.run_id).info.experiment_id
+            self.tracker.client.set_experiment_tag(experiment, EXPERIMENT_KIND_TAG, "custom_model_development")
         if resume_from is not None and self.lake is not None:  # its row may not have been committed before the crash
             self.log_checkpoint(start, start, Path(resume_from))
 

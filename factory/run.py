@@ -25,8 +25,11 @@ from factory.evaluate import evaluate_workers, suite_tasks
 from factory.model.sft import ensure_base_policy
 from factory.recipe import Recipe
 from factory.recording import RunRecorder
-from factory.runtime.actors import BufferActor, EngineActor, EnvWorkerActor, ScorerActor, TrainerActor, placed
+from factory.runtime.actors import (
+    BufferActor, EngineActor, EnvWorkerActor, ScorerActor, TrainerActor, killed_on_error, placed,
+)
 from factory.runtime.cluster import check_placement, local_ray
+from factory.runtime.deadlines import get_within
 from factory.runtime.transfer import DirBundle, node_ip
 from factory.runtime.weights import connect_broadcast, engine_metrics, publish_weights
 
@@ -68,7 +71,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
     source = ReasoningGymSource.from_recipe(recipe.data)
     heldout = suite_tasks(recipe, "heldout", source=source)  # a seeded sample, never a prefix
 
-    with local_ray():
+    with local_ray(), killed_on_error() as created:  # a failed run leaves no actor behind, on any cluster
         phase("starting engines, trainer, buffer, env workers")
         where = recipe.placement
         check_placement(where, engines=recipe.rollout.num_engines if engines is None else 0,
@@ -82,6 +85,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
             engines = [placed(EngineActor, where.engine).remote(recipe.rollout.engine, policy_ref, recipe.rollout,
                                                                 str(run_dir / f"engine-{i}.log"), lora_rank, url)
                        for i, url in enumerate(urls)]
+            created.extend(engines)
         trainer = placed(TrainerActor, where.trainer).remote(policy_ref, recipe.algorithm, recipe.train, recipe.rollout)
         # the scoring phase: a teacher grading every trained token (on-policy distillation), if any
         distill = recipe.algorithm.distill
@@ -91,11 +95,13 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         buffer = placed(BufferActor, where.buffer).remote(
             recipe.name, source.train, recipe.train.groups_per_step, recipe.async_.max_staleness,
             recipe.async_.max_inflight_groups, recipe.algorithm.filter_zero_variance, recipe.train.seed,
-            recipe.async_.overprovision, recipe.async_.schedule, recipe.async_.lookahead)
+            recipe.async_.overprovision, recipe.async_.schedule, recipe.async_.lookahead, recipe.failures)
+        created.extend(a for a in (trainer, scorer, buffer) if a is not None)
         ray.get([e.start.remote() for e in engines])
         if not own_engines:
             ray.get([e.set_partial_rollout.remote(recipe.rollout.partial_rollout) for e in engines])
         version = 0
+        deadlines = recipe.deadlines  # every wait below ends: batch, weight sync, trainer step, evaluation
         if resume_from is not None:
             state = ray.get(trainer.load_checkpoint.remote(DirBundle.of(resume_from)))
             ray.get(buffer.load_state_dict.remote(state["buffer"]))
@@ -103,11 +109,12 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         if recipe.rollout.weight_sync == "broadcast":
             connect_broadcast(engines, trainer, recipe.rollout.sync_backend)
         if version or not own_engines or recipe.rollout.urls:  # engines we did not start may hold other weights
-            publish_weights(engines, trainer, version, recipe.rollout.weight_sync)
+            publish_weights(engines, trainer, version, recipe.rollout.weight_sync, deadlines.weight_sync_s)
             ray.get(buffer.set_version.remote(version))
         workers = [placed(EnvWorkerActor, where.env_worker).remote(policy_ref, recipe.environment, recipe.rollout,
-                                                                   engines, buffer)
+                                                                   engines, buffer, recipe.failures, deadlines)
                    for _ in range(recipe.environment.workers)]
+        created.extend(workers)
         ray.get([w.start.remote() for w in workers])
         nodes = {"driver": node_ip(), "trainer": ray.get(trainer.node_ip.remote()),
                  "buffer": ray.get(buffer.node_ip.remote()),
@@ -127,18 +134,21 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         samples_done = 0
         for step in range(version + 1, recipe.train.steps + 1):
             t0 = time.perf_counter()
-            batch = ray.get(buffer.get_batch.remote())
+            batch = get_within(buffer.get_batch.remote(), deadlines.batch_s, f"the batch of step {step}",
+                               "deadlines.batch_s", lambda: _buffer_state(buffer))
             wait_s += time.perf_counter() - t0
             if step == version + 1:  # the pipeline fill: nothing to train on until the first batch
                 fill_s = wait_s
             scored = {}
             if scorer is not None:
                 t_score = time.perf_counter()
-                batch, scored = ray.get(scorer.score.remote(batch))
+                batch, scored = get_within(scorer.score.remote(batch), deadlines.train_step_s,
+                                           f"scoring the batch of step {step}", "deadlines.train_step_s")
                 scored["perf/score_s"] = time.perf_counter() - t_score
-            metrics = ray.get(trainer.train_step.remote(batch))
+            metrics = get_within(trainer.train_step.remote(batch), deadlines.train_step_s, f"trainer step {step}",
+                                 "deadlines.train_step_s")
             metrics.update(scored)
-            sync = publish_weights(engines, trainer, step, recipe.rollout.weight_sync)
+            sync = publish_weights(engines, trainer, step, recipe.rollout.weight_sync, deadlines.weight_sync_s)
             sync_s += sync["weightsync/seconds"]
             ray.get(buffer.set_version.remote(step))
             record.log_batch(batch, step)
@@ -157,7 +167,9 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
                 extra = {"buffer": ray.get(buffer.state_dict.remote()), "step": step}
                 ckpt = run_dir / "checkpoints" / f"step-{step:06d}"
                 record.flush()  # the lake holds every row up to a checkpoint before the checkpoint exists
-                ray.get(trainer.checkpoint.remote(extra)).write(ckpt)  # from the trainer's node to the run dir
+                bundle = get_within(trainer.checkpoint.remote(extra), deadlines.train_step_s,
+                                    f"checkpoint of step {step}", "deadlines.train_step_s")
+                bundle.write(ckpt)  # from the trainer's node to the run dir
                 record.log_checkpoint(step, step, ckpt)
         train_s = time.perf_counter() - t_train
 
@@ -192,3 +204,14 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         results["delta_stderr"] = (a["stderr"] ** 2 + b["stderr"] ** 2) ** 0.5
         results["improved_beyond_2se"] = results["delta"] > 2 * results["delta_stderr"]
     return results
+
+
+def _buffer_state(buffer) -> str:
+    """What the buffer holds, for an error about a batch that never came."""
+    try:
+        m = ray.get(buffer.metrics.remote(), timeout=10)
+    except Exception:  # noqa: BLE001  (the buffer itself may be what hangs)
+        return "the buffer did not answer either"
+    return (f"buffer: {m['buffer/running']:.0f} groups running, {m['buffer/queued']:.0f} queued; finished so far "
+            f"{m['buffer/consumed']:.0f} trained, {m['buffer/filtered']:.0f} filtered, {m['buffer/rejected_groups']:.0f} "
+            f"rejected, {m['buffer/failed']:.0f} failed")

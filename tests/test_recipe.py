@@ -123,13 +123,11 @@ def test_recipe_without_sweep_expands_to_itself():
     assert expand_sweep(recipe) == [({}, recipe)]
 
 
-def test_bad_sweep_value_names_the_grid_point():
-    recipe = recipe_from_dict({"sweep": {"async.max_staleness": [0, -1]}})
-    with pytest.raises(RecipeError) as caught:
-        expand_sweep(recipe)
-    assert str(caught.value) == (
-        "sweep point {'async.max_staleness': -1}: async.max_staleness: must be >= 0, got -1"
-    )
+def test_indexed_overrides_set_list_items():
+    recipe = recipe_from_dict({"name": "x"}, overrides=["data.families[0].name=chain_sum",
+                                                         "data.families[0].config.max_digits=3"])
+    assert recipe.data.families[0].name == "chain_sum"  # the default list, with its item changed
+    assert recipe.data.families[0].config["max_digits"] == 3 and recipe.data.families[0].config["min_terms"] == 2
 
 
 def test_json_schema_lists_the_sections():
@@ -195,7 +193,32 @@ MALFORMED = [
     ("override_unknown_field", "name: x\n", ["train.lrr=1"],
      ["{file}: train.lrr: unknown field; did you mean 'lr'? (from override 'train.lrr=1')"]),
     ("override_below_a_value", "train:\n  lr: 0.1\n", ["train.lr.x=1"],
-     ["field path 'train.lr.x': 'lr' holds a value, not a section of fields"]),
+     ["{file}: field path 'train.lr.x': 'train.lr' holds a value, not a section of fields "
+      "(from override 'train.lr.x=1')"]),
+    ("override_index_past_the_list", "name: x\n", ["data.families[1].name=chain_sum"],
+     ["{file}: field path 'data.families[1].name': data.families has 1 item(s); no item [1] "
+      "(from override 'data.families[1].name=chain_sum')"]),
+    ("override_index_on_a_value", "name: x\n", ["train.lr[0]=1"],
+     ["{file}: field path 'train.lr[0]': train.lr is not a list (from override 'train.lr[0]=1')"]),
+    ("override_bad_index_syntax", "name: x\n", ["data.families.0.name=x"],
+     ["{file}: field path 'data.families.0.name': '0' is not a field name, optionally with [index], e.g. "
+      "data.families[0].name (from override 'data.families.0.name=x')"]),
+    ("override_index_then_unknown_field", "name: x\n", ["data.families[0].nme=x"],
+     ["{file}: data.families[0].nme: unknown field; did you mean 'name'? (from override 'data.families[0].nme=x')"]),
+    ("empty_file", "", [], ["{file}: the file is empty; a recipe needs at least one section, e.g. `name: my-run` "
+                            "(recipes/default.yaml shows them all)"]),
+    ("only_comments", "# to do\n", [], ["{file}: the file is empty (only comments); a recipe needs at least one "
+                                         "section, e.g. `name: my-run` (recipes/default.yaml shows them all)"]),
+    ("new_tokens_fill_the_context", "name: x\n", ["rollout.max_new_tokens=256"],
+     ["{file}: rollout.max_new_tokens: 256 leaves no room for a prompt within rollout.max_model_len=256 "
+      "(from override 'rollout.max_new_tokens=256')"]),
+    ("engine_context_beyond_the_built_model", "name: x\n", ["rollout.max_model_len=512"],
+     ["{file}: rollout.max_model_len: 512 is beyond the built model's context (model.max_position=256) "
+      "(from override 'rollout.max_model_len=512')"]),
+    ("bad_sweep_value", "sweep:\n  async.max_staleness: [0, -1]\n  train.lr: [0.1, 0.2]\n", [],
+     ["{file}: sweep point async.max_staleness=-1, train.lr=0.1: async.max_staleness: must be >= 0, got -1"]),
+    ("sweep_of_an_unknown_field", "sweep:\n  train.lrr: [1]\n", [],
+     ["{file}: sweep point train.lrr=1: train.lrr: unknown field; did you mean 'lr'?"]),
 ]
 
 
@@ -219,7 +242,3 @@ def test_recipe_error_is_a_value_error():
     assert issubclass(RecipeError, ValueError)
 
 
-def test_empty_file_gives_the_defaults(tmp_path):
-    path = tmp_path / "empty.yaml"
-    path.write_text("")
-    assert load_recipe(path).dump() == Recipe().dump()

@@ -53,3 +53,15 @@ def test_a_resumed_run_rewinds_the_lake_and_continues_its_mlflow_run(tmp_path, m
     assert run.info.status == "FINISHED"
     assert run.data.tags["factory.resumed"] == "1" and run.data.tags["factory.resumed_from_step"] == "2"
     assert RunTracker().find_run("run-1") == mlflow_run
+
+
+def test_the_experiment_opens_on_model_training_not_the_genai_view(tmp_path, monkeypatch):
+    """MLflow 3's UI shows an experiment without `mlflow.experimentKind` as a GenAI (traces) experiment."""
+    monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    recipe = load_recipe(REPO_ROOT / "recipes" / "default.yaml", ["lake.enabled=false", "tracking.enabled=true",
+                                                                   "tracking.experiment=kind-test"])
+    recorder = RunRecorder(recipe, tmp_path / "run-1")
+    recorder.finish({"steps": 0})
+    experiment = MlflowClient(default_tracking_uri()).get_experiment_by_name("kind-test")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"

@@ -6,6 +6,7 @@ gateway records what was sampled; the environment only returns the reward of its
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from collections.abc import Callable
@@ -44,6 +45,20 @@ def register_environment(name: str):
     return wrap
 
 
+def environment_factory(name: str) -> Callable[..., Environment]:
+    """A registered environment, or `package.module:attr` (an environment of your own, imported by name in
+    every process that plays episodes: it must be importable there, e.g. on PYTHONPATH)."""
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
+    if ":" not in name:
+        raise ValueError(f"unknown {name!r}; choose one of {sorted(ENVIRONMENTS)} or give module.path:attr")
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"cannot import {name!r} ({type(err).__name__}: {err})") from None
+
+
 def make_environment(section) -> Environment:
     """Build the environment a recipe's `environment` section names."""
-    return ENVIRONMENTS[section.name](section)
+    return environment_factory(section.name)(section)

