@@ -16,3 +16,61 @@ def pytest_collection_modifyitems(config, items):
         parts = Path(str(item.fspath)).parts
         if any(d in parts[-3:-1] for d in SERVER_DIRS):
             item.add_marker(pytest.mark.integration)
+
+
+# ---- the suite's own state -------------------------------------------------------------------
+# Every test session runs in a state dir of its own (FACTORY_HOME: lake, MLflow, Dagster home, runs,
+# caches), removed at the end; the variables that would point a test at the user's services are unset
+# for the session. Only built things are shared from the user's state dir, as links to read: base
+# policies (`models/tiny-*` with their sft.json: SFT is the slow part of a session) and SGLang's venv.
+# A policy the user's cache lacks is built in the session's own dir. FACTORY_KEEP_TEST_STATE=1 keeps it.
+
+USER_ENV = ("FACTORY_HOME", "MLFLOW_TRACKING_URI", "DAGSTER_HOME", "RAY_ADDRESS", "FACTORY_PROFILE",
+            "FACTORY_ENV_FILE", "FACTORY_DEPLOYMENT")
+SHARED_BUILDS = ("sglang-venv",)
+
+
+def share_builds(user_home: Path, home: Path) -> list[Path]:
+    """Link the user's built policies and SGLang venv into the session's state dir; the links made."""
+    links = []
+    (home / "models").mkdir(parents=True, exist_ok=True)
+    for built in sorted((user_home / "models").glob("tiny-*")):
+        if (built / "sft.json").is_file():  # complete: a policy is published whole, with sft.json last
+            links.append(home / "models" / built.name)
+    links += [home / name for name in SHARED_BUILDS if (user_home / name).is_dir()]
+    for link in links:
+        link.symlink_to(user_home / link.relative_to(home), target_is_directory=True)
+    return links
+
+
+def pytest_configure(config):
+    import os
+    import tempfile
+
+    from factory.paths import REPO_ROOT
+
+    user_home = Path(os.environ.get("FACTORY_HOME", REPO_ROOT / ".state")).resolve()
+    home = Path(tempfile.mkdtemp(prefix="factory-tests-")).resolve()
+    saved = {name: os.environ.pop(name, None) for name in USER_ENV}
+    os.environ["FACTORY_HOME"] = str(home)
+    os.environ["FACTORY_TEST_USER_HOME"] = str(user_home)  # for the test that checks it stays untouched
+    share_builds(user_home, home)
+    config.stash[_STATE] = (home, saved)
+
+
+def pytest_unconfigure(config):
+    import os
+    import shutil
+
+    home, saved = config.stash.get(_STATE, (None, {}))
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    os.environ.pop("FACTORY_TEST_USER_HOME", None)
+    if home is not None and not os.environ.get("FACTORY_KEEP_TEST_STATE"):
+        shutil.rmtree(home, ignore_errors=True)  # links only: the user's builds stay
+
+
+_STATE = pytest.StashKey[tuple]()
