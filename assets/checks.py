@@ -1,5 +1,6 @@
 """Asset checks on the samples an RL run wrote to the lake (`factory.lake.checks`): each sample id
-once, staleness within the run's η, per-token policy versions non-decreasing along a sample."""
+once, staleness within the run's η, per-token policy versions non-decreasing along a sample, and
+each sample's status consistent with its columns."""
 
 import warnings
 from collections.abc import Callable
@@ -44,4 +45,8 @@ def samples_checks() -> list[dg.AssetChecksDefinition]:
                        lambda s, run, recipe: checks.staleness_violations(s, recipe.async_.max_staleness, run)),
         _samples_check("versions_non_decreasing", "policy versions never decrease along a sample's sampled tokens",
                        lambda s, run, recipe: checks.version_order_violations(s, run)),
+        _samples_check("statuses_consistent",
+                       "every generated sample has a known fate (trained once with its step, filtered, rejected, "
+                       "unused, failed with its error, evaluation)",
+                       lambda s, run, recipe: checks.status_violations(s, run)),
     ]

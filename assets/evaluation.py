@@ -68,7 +68,8 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake
                   "by_family": json.loads(earlier["by_family"] or "{}"), "tasks_digest": earlier["tasks_digest"]}
     else:
         with ray.session():
-            result = evaluate_checkpoint(recipe, checkpoint, config.suite, n)
+            result = evaluate_checkpoint(recipe, checkpoint, config.suite, n, keep_episodes=recipe.lake.enabled)
+    episodes = result.pop("episodes", None)
     context.log.info(f"{key} step {step}: {config.suite} accuracy {result['mean']:.3f} ± {result['stderr']:.3f}")
 
     from factory import lineage
@@ -83,6 +84,10 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake
                 "mean": result["mean"], "stderr": result["stderr"], "by_family": json.dumps(result["by_family"]),
                 "tasks_digest": result.get("tasks_digest"), "checkpoint": str(checkpoint), "lineage": origin,
             }])
+            if episodes:  # each episode in `samples`, status evaluation
+                from factory.lake.writer import evaluation_rows
+
+                writer.append("samples", evaluation_rows(key, step, version, config.suite, "evaluation_asset", episodes))
     mlflow_run = tracking.find_run(recipe, key)
     if mlflow_run and not reused:
         tracker = tracking.tracker(recipe)

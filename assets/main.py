@@ -111,8 +111,9 @@ def print_next_steps(recipe: Recipe, key: str, dagster_run_id: str) -> None:
     def shown(path: Path) -> str:  # relative to the working dir when below it
         return str(path.relative_to(here)) if path.is_relative_to(here) else str(path)
 
-    query = (f"SELECT trained_step, count(*) AS samples, avg(reward) AS reward, max(staleness) AS max_staleness "
-             f"FROM samples WHERE run_id = '{key}' GROUP BY 1 ORDER BY 1")
+    from factory.cli import samples_by_status_query, state_prefix
+
+    query = samples_by_status_query(key)
     lines = ["", "== where to look ==",
              f"Dagster UI (asset graph, this run, sweeps): {shown(python)} -m assets -p 3000",
              f"    then http://127.0.0.1:3000/asset-groups and http://127.0.0.1:3000/runs/{dagster_run_id}"]
@@ -121,7 +122,7 @@ def print_next_steps(recipe: Recipe, key: str, dagster_run_id: str) -> None:
         lines += [f"MLflow UI (metrics, plots):  {shown(venv_bin / 'mlflow')} ui --backend-store-uri {uri} --port 5000",
                   f"    then http://127.0.0.1:5000 (experiment '{recipe.tracking.experiment}', run '{key}')"]
     if recipe.lake.enabled:
-        lines += [f'SQL over the lake:  {shown(venv_bin / "factory")} lake sql "{query}"']
+        lines += [f'SQL over the lake:  {state_prefix()}{shown(venv_bin / "factory")} lake sql "{query}"']
     print("\n".join(lines))
 
 

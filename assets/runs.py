@@ -17,6 +17,7 @@ from pydantic import Field
 
 from factory.paths import REPO_ROOT, runs_dir
 from factory.recipe import Recipe, RecipeError, load_recipe
+from factory.recording import checkpoints, latest_checkpoint  # noqa: F401  (assets import them from here)
 
 RL_RUNS = dg.DynamicPartitionsDefinition(name="rl_runs")
 RL_RUN_KEY = dg.AssetKey("rl_run")
@@ -93,21 +94,6 @@ def saved_recipe(directory: Path) -> Recipe:
     if not path.is_file():
         raise user_error(f"{path}: no recipe saved for this run; launch it from sweep_job or give a recipe path")
     return load_recipe_or_fail(path)
-
-
-def checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (a checkpoint dir is renamed into place when whole)."""
-    found = []
-    for path in (directory / "checkpoints").glob("step-*"):
-        step = path.name.removeprefix("step-")
-        if path.is_dir() and step.isdigit():
-            found.append((int(step), path))
-    return [path for _, path in sorted(found)]
-
-
-def latest_checkpoint(directory: Path) -> Path | None:
-    found = checkpoints(directory)
-    return found[-1] if found else None
 
 
 def checkpoint_step(checkpoint: Path) -> int:

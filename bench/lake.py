@@ -56,7 +56,8 @@ def rows(run_id: str, batch: int, n: int) -> list[dict]:
              "prompt_ids": list(range(32)), "completion_ids": list(range(96)), "logprobs": [-0.5] * 96,
              "versions": [batch // 4] * 96, "loss_mask": [1] * 96, "reward": float(j % 2), "turns": 1,
              "env": "arith", "finish_reason": "stop", "timings": {"generate_s": 0.1},
-             "trained_step": batch, "trained_version": batch // 4, "staleness": 0} for j in range(n)]
+             "trained_step": batch, "trained_version": batch // 4, "staleness": 0,
+             "status": "trained", "step": batch} for j in range(n)]
 
 
 BACKEND = {"name": "embedded"}  # the backend the parts run on (main sets it)

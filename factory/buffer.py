@@ -19,6 +19,7 @@ ACCEPTED = "accepted"
 FILTERED = "filtered"
 REJECTED = "rejected"
 FAILED = "failed"
+UNUSED = "unused"  # queued, never trained: the run ended first
 
 MIN_GROUP_SIZE = 2  # fewer than two samples leaves no baseline to compare a reward against
 
@@ -64,6 +65,11 @@ class StalenessBuffer:
 
     Accounting invariants: accepted = consumed + queued, and
     accepted + running ≤ (η + v + 1)·B + O.
+
+    Discards (`keep_discarded`): every sample that will never be trained is kept, with its fate
+    (`filtered`, `rejected`, or `unused` for what `drain_unused` empties from the queue at the end) and
+    the reason, until `take_discarded` hands them to the recorder: the lake holds every generated
+    sample, not only the trained ones.
     """
 
     def __init__(
@@ -73,6 +79,7 @@ class StalenessBuffer:
         max_inflight: int,
         filter_zero_variance: bool = True,
         overprovision: int = 0,
+        keep_discarded: bool = False,
     ) -> None:
         if groups_per_step <= 0:
             raise ValueError(f"groups_per_step must be > 0, got {groups_per_step}")
@@ -87,6 +94,8 @@ class StalenessBuffer:
         if overprovision < 0:
             raise ValueError(f"overprovision must be >= 0, got {overprovision}")
         self.overprovision = overprovision
+        self.keep_discarded = keep_discarded
+        self._discarded: list[tuple[str, Sample, str]] = []  # (status, sample, reason)
 
         self._version = 0
         self._queue: deque[Group] = deque()
@@ -152,6 +161,7 @@ class StalenessBuffer:
         self._reward_n += len(group.samples)
         if self._no_reward_variance(group.samples):
             self.filtered += 1
+            self._discard(FILTERED, group.samples, "zero reward variance")
             return FILTERED
         fresh = self._fresh_or_none(group)
         if fresh is None:
@@ -207,7 +217,10 @@ class StalenessBuffer:
         """
         fresh = [s for s in group.samples if self._is_fresh(s)]
         self.rejected_samples += len(group.samples) - len(fresh)
+        self._discard(REJECTED, [s for s in group.samples if not self._is_fresh(s)],
+                      f"stale: more than max_staleness={self.max_staleness} versions old at version {self._version}")
         if len(fresh) < MIN_GROUP_SIZE or self._no_reward_variance(fresh):
+            self._discard(REJECTED, fresh, "its group had fewer than 2 fresh samples, or no reward variance among them")
             return None
         if len(fresh) == len(group.samples):
             return group
@@ -225,6 +238,24 @@ class StalenessBuffer:
                 kept.append(fresh)
         self._queue = kept
 
+    # ---- discards -------------------------------------------------------------------------
+
+    def _discard(self, status: str, samples: list[Sample], reason: str) -> None:
+        if self.keep_discarded:
+            self._discarded.extend((status, s, reason) for s in samples)
+
+    def take_discarded(self) -> list[tuple[str, Sample, str]]:
+        """The samples discarded since the last call: (status, sample, reason), oldest first."""
+        taken, self._discarded = self._discarded, []
+        return taken
+
+    def drain_unused(self) -> None:
+        """At the run's end: empty the queue, its samples discarded as `unused`."""
+        while self._queue:
+            group = self._queue.popleft()
+            self.accepted -= 1
+            self._discard(UNUSED, group.samples, "queued when the run ended")
+
     # ---- observability and checkpoints ---------------------------------------------------
 
     def metrics(self) -> dict[str, float]:
@@ -239,6 +270,7 @@ class StalenessBuffer:
             "buffer/purged_groups": float(self.purged_groups),
             "buffer/failed": float(self.failed),
             "rollout/reward_all_finished": self._reward_sum / max(1, self._reward_n),
+            "buffer/finished_samples": float(self._reward_n),  # every sample generated (filtered ones too)
             "buffer/capacity": float(self.capacity()),
             "staleness/version": float(self._version),
         }
@@ -248,16 +280,21 @@ class StalenessBuffer:
     )
 
     def state_dict(self) -> dict[str, Any]:
-        """Version and counters. Queued and running groups are not saved: on resume they are
-        regenerated, so `load_state_dict` sets accepted := consumed and running := 0."""
-        state: dict[str, Any] = {"version": self._version}
+        """Version, counters and the queued groups (whole, as JSON-able dicts): a resumed run trains
+        on exactly what this one would have. Running groups are the caller's to re-start."""
+        state: dict[str, Any] = {"version": self._version, "reward_sum": self._reward_sum, "reward_n": self._reward_n,
+                                 "queue": [g.to_dict() for g in self._queue]}
         state.update({name: getattr(self, name) for name in self._COUNTERS})
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict`; nothing is running, so accepted := consumed + the restored queue. (A
+        checkpoint from before queues were saved has none: its queued groups are regenerated.)"""
         self._version = int(state["version"])
         for name in self._COUNTERS:
             setattr(self, name, int(state.get(name, 0)))
-        self._queue.clear()
+        self._reward_sum = float(state.get("reward_sum", 0.0))
+        self._reward_n = int(state.get("reward_n", 0))
+        self._queue = deque(Group.from_dict(g) for g in state.get("queue", []))
         self.running = 0
-        self.accepted = self.consumed  # only consumed groups survive a restart
+        self.accepted = self.consumed + len(self._queue)

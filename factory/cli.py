@@ -67,13 +67,15 @@ def cmd_recipe_schema(args) -> int:
     return 0
 
 
-def _train_with_progress(recipe, run_dir: Path) -> dict:
+def _train_with_progress(recipe, run_dir: Path, resume_from: Path | None = None) -> dict:
     from factory.progress import RunProgress
+    from factory.recording import checkpoint_version
     from factory.run import run
 
-    with RunProgress(recipe.train.steps) as progress:
+    start = checkpoint_version(resume_from) if resume_from is not None else 0
+    with RunProgress(recipe.train.steps, start=start) as progress:
         return run(recipe, run_dir, on_step=progress.on_step, on_phase=progress.on_phase,
-                   on_sft_step=progress.on_sft_step)
+                   on_sft_step=progress.on_sft_step, resume_from=resume_from)
 
 
 def print_summary(results: dict, recipe: Recipe | None = None) -> None:
@@ -105,6 +107,12 @@ def state_prefix() -> str:
     return f"FACTORY_HOME={shlex.quote(str(Path(home).resolve()))} " if home else ""
 
 
+def samples_by_status_query(run_id: str) -> str:
+    """SQL: every sample the run generated, by fate (trained, filtered, rejected, failed, evaluation…)."""
+    return (f"SELECT status, count(*) AS samples, avg(reward) AS reward, max(step) AS last_step FROM samples "
+            f"WHERE run_id = '{run_id}' GROUP BY 1 ORDER BY 2 DESC")
+
+
 def where_to_look(recipe: Recipe, run_dir: Path) -> list[str]:
     """Commands that open this run's metrics and samples, runnable as printed (the state dir included)."""
     bin_dir = Path(sys.executable).parent
@@ -116,23 +124,50 @@ def where_to_look(recipe: Recipe, run_dir: Path) -> list[str]:
         lines.append(f"MLflow UI          : {bin_dir / 'mlflow'} ui --backend-store-uri {uri} --port 5000 "
                      f"(experiment '{recipe.tracking.experiment}', run '{run_dir.name}')")
     if recipe.lake.enabled:
-        query = (f"SELECT trained_step, count(*) AS samples, avg(reward) AS reward FROM samples "
-                 f"WHERE run_id = '{run_dir.name}' GROUP BY 1 ORDER BY 1")
+        query = samples_by_status_query(run_dir.name)
         lines.append(f"SQL over the lake  : {state_prefix()}{bin_dir / 'factory'} lake sql \"{query}\"")
     return lines
 
 
+def find_run_dir(run: str) -> Path:
+    """A run's directory from its id (a directory name under the state dir's runs/) or its path."""
+    from factory.paths import runs_dir
+
+    for candidate in (Path(run), runs_dir() / run):
+        if (candidate / "recipe.yaml").is_file():
+            return candidate
+    known = sorted(p.name for p in runs_dir().glob("*") if (p / "recipe.yaml").is_file())[-5:]
+    raise ValueError(f"--resume {run}: no run with that id or directory (under {runs_dir()}; latest: "
+                     f"{', '.join(known) or 'none'})")
+
+
 def cmd_run(args) -> int:
+    from factory.recording import latest_checkpoint
+
+    resume_from = None
     try:
-        recipe = _loaded(args.recipe, args.overrides)
+        if args.resume:  # `factory run --resume RUN [overrides]`: the run's own recipe, from its last checkpoint
+            run_dir = find_run_dir(args.resume)
+            overrides = [args.recipe, *args.overrides] if args.recipe else args.overrides
+            recipe = _loaded(str(run_dir / "recipe.yaml"), overrides)
+            resume_from = latest_checkpoint(run_dir)
+            if resume_from is None:
+                raise ValueError(f"--resume {args.resume}: {run_dir} has no checkpoint yet; start it again instead")
+            print(f"resuming {run_dir.name} from {resume_from.name}")
+        elif not args.recipe:
+            raise ValueError("give a recipe to run, or --resume RUN_ID")
+        else:
+            recipe = _loaded(args.recipe, args.overrides)
+            run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(recipe.name)
     except RecipeError as err:
         print(str(err), file=sys.stderr)
         return 2
+    except ValueError as err:
+        return _fail(str(err))
     if recipe.sweep:
         return _fail(f"{args.recipe} holds a sweep grid: use `factory sweep {args.recipe}`")
-    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(recipe.name)
     try:
-        results = _train_with_progress(recipe, run_dir)
+        results = _train_with_progress(recipe, run_dir, resume_from)
     except _user_errors() as err:
         return _fail(_cause(err))
     except RunFailure as err:  # whole: an environment's failure carries its first traceback
@@ -180,6 +215,28 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def cmd_replay(args) -> int:
+    """Retrain a run from its recorded batches in the lake and compare with its checkpoint (factory/replay.py)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from factory.replay import ReplayError, main_text, replay
+
+    try:
+        with Progress(TextColumn("[bold]replaying step {task.completed:>4.0f}/{task.total:.0f}"), BarColumn(),
+                      TimeElapsedColumn(), console=Console(stderr=True)) as progress:
+            bar = progress.add_task("replay", total=None)
+            result = replay(args.run_id, checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+                            out_dir=Path(args.out) if args.out else None,
+                            on_step=lambda done, total: progress.update(bar, completed=done, total=total))
+    except (ReplayError, ValueError, FileNotFoundError) as err:
+        return _fail(str(err))
+    except _user_errors() as err:
+        return _fail(_cause(err))
+    print(main_text(result))
+    return 1 if result.incomplete else 0
+
+
 def cmd_serve(args) -> int:
     """A vLLM server that runs attach to (`rollout.urls`), in the foreground until Ctrl-C or SIGTERM."""
     import signal
@@ -213,10 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="factory", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("run", help="train a recipe end to end")
-    r.add_argument("recipe")
+    r = sub.add_parser("run", help="train a recipe end to end (or continue a run: --resume RUN_ID)")
+    r.add_argument("recipe", nargs="?")
     r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
     r.add_argument("--run-dir", help="output directory (default: a new one under the state dir)")
+    r.add_argument("--resume", metavar="RUN_ID", help="continue this run (its id under the state dir's runs/, or "
+                   "its directory) from its latest checkpoint, with its saved recipe (+ overrides, e.g. "
+                   "train.steps=800)")
     r.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("sweep", help="run every grid point of a recipe's sweep section")
@@ -232,6 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--suite", default="heldout", choices=["heldout", "train"])
     ev.add_argument("--n", type=int, default=None, help="tasks to evaluate (default: eval.heldout)")
     ev.set_defaults(fn=cmd_evaluate)
+
+    rp = sub.add_parser("replay", help="retrain a run from its recorded batches in the lake (no engine) and compare "
+                        "the weights with its checkpoint")
+    rp.add_argument("run_id")
+    rp.add_argument("--checkpoint", help="compare with this checkpoint (default: the run's at the last step)")
+    rp.add_argument("--out", help="save the replayed policy here (an HF model dir)")
+    rp.set_defaults(fn=cmd_replay)
 
     sv = sub.add_parser("serve", help="start a vLLM engine that runs attach to by URL (rollout.urls)")
     sv.add_argument("model", help="a Hugging Face model dir on this node")

@@ -36,22 +36,24 @@ IN_FLIGHT = 4  # calls per worker at once: CHUNK * IN_FLIGHT episodes in flight,
 
 
 def evaluate_workers(workers, tasks, recipe: Recipe, tag: str,
-                     on_progress: Callable[[int, int], None] | None = None) -> dict:
+                     on_progress: Callable[[int, int], None] | None = None, keep_episodes: bool = False) -> dict:
     """One episode per task, in chunks spread over `workers`; mean reward ± standard error over all of
     them, per family, and the digest of the task set. `on_progress(done, total)` after each chunk; the
-    whole evaluation ends within `deadlines.evaluation_s`."""
+    whole evaluation ends within `deadlines.evaluation_s`. `keep_episodes`: the result's "episodes"
+    holds each episode's Sample, in the tasks' order (for the lake)."""
     deadline = Deadline(recipe.deadlines.evaluation_s, f"evaluation {tag} on {len(tasks)} tasks",
                         "deadlines.evaluation_s")
     chunks = [(i, tasks[i: i + CHUNK]) for i in range(0, len(tasks), CHUNK)]
     rewards: dict[int, list[float]] = {}
+    episodes: dict[int, list] = {}
     running: dict = {}  # ObjectRef -> (worker, chunk start)
     busy = dict.fromkeys(range(len(workers)), 0)
     while chunks or running:
         for w in range(len(workers)):
             while chunks and busy[w] < IN_FLIGHT:
                 start, part = chunks.pop(0)
-                ref = workers[w].rewards.remote(part, recipe.eval.temperature, recipe.rollout.max_new_tokens,
-                                                f"{tag}-{start}")
+                ref = workers[w].episodes.remote(part, recipe.eval.temperature, recipe.rollout.max_new_tokens,
+                                                 f"{tag}-{start}", keep_episodes)
                 running[ref] = (w, start)
                 busy[w] += 1
         ready, _ = ray.wait(list(running), num_returns=1, timeout=deadline.left())
@@ -60,11 +62,16 @@ def evaluate_workers(workers, tasks, recipe: Recipe, tag: str,
         for ref in ready:
             w, start = running.pop(ref)
             busy[w] -= 1
-            rewards[start] = deadline.get(ref)
+            done = deadline.get(ref)
+            rewards[start] = [reward for reward, _ in done]
+            episodes[start] = [sample for _, sample in done]
         if on_progress:
             on_progress(sum(len(r) for r in rewards.values()), len(tasks))
     ordered = [r for start in sorted(rewards) for r in rewards[start]]
-    return {**summarize(ordered, [t.family for t in tasks]).to_dict(), "tasks_digest": tasks_digest(tasks)}
+    result = {**summarize(ordered, [t.family for t in tasks]).to_dict(), "tasks_digest": tasks_digest(tasks)}
+    if keep_episodes:
+        result["episodes"] = [s for start in sorted(episodes) for s in episodes[start]]
+    return result
 
 
 def suite_tasks(recipe: Recipe, suite: str = "heldout", n: int | None = None,
@@ -82,8 +89,9 @@ def suite_tasks(recipe: Recipe, suite: str = "heldout", n: int | None = None,
 
 def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "heldout", n: int | None = None,
                         engines: list | None = None, on_phase: Callable[[str], None] | None = None,
-                        on_progress: Callable[[int, int], None] | None = None) -> dict:
-    """Score the policy saved at `checkpoint` (an HF model dir) on `suite`.
+                        on_progress: Callable[[int, int], None] | None = None, keep_episodes: bool = False) -> dict:
+    """Score the policy saved at `checkpoint` (an HF model dir) on `suite`; `keep_episodes`: see
+    `evaluate_workers`.
 
     Starts its own engine, or reuses started `engines` after loading the checkpoint into them
     (disk reload; they keep those weights afterwards). `on_phase(text)` names each stage,
@@ -112,7 +120,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "he
         try:
             ray.get(worker.start.remote())
             phase(f"evaluating on {len(tasks)} {suite} tasks")
-            return evaluate_workers([worker], tasks, recipe, f"eval-{suite}", on_progress)
+            return evaluate_workers([worker], tasks, recipe, f"eval-{suite}", on_progress, keep_episodes)
         finally:
             ray.get(worker.close.remote())
             if own:

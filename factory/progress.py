@@ -11,7 +11,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 class RunProgress:
     """`with RunProgress(steps) as p: run(..., on_step=p.on_step, on_phase=p.on_phase, on_sft_step=p.on_sft_step)`."""
 
-    def __init__(self, total_steps: int, console: Console | None = None):
+    def __init__(self, total_steps: int, console: Console | None = None, start: int = 0):
+        """`start`: steps already done (a resumed run's checkpoint)."""
         self.console = console or Console(stderr=True)
         self.train = Progress(
             TextColumn("[bold]step {task.completed:>4.0f}/{task.total:.0f}"), BarColumn(),
@@ -19,7 +20,8 @@ class RunProgress:
             TextColumn("staleness {task.fields[stale]:.2f} (max {task.fields[stale_max]:.0f})"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
         )
-        self.bar = self.train.add_task("train", total=total_steps, reward=0.0, rate=0.0, stale=0.0, stale_max=0)
+        self.bar = self.train.add_task("train", total=total_steps, completed=start, reward=0.0, rate=0.0, stale=0.0,
+                                       stale_max=0)
         self.sft = Progress(TextColumn("[bold]SFT warm start {task.completed:>4.0f}/{task.total:.0f}"), BarColumn(),
                             TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn(),
                             console=self.console)

@@ -151,6 +151,10 @@ class RolloutSection(Section):
         "them and continue prompt + tokens so far under the new weights; inflight = pause with the KV cache "
         "kept, swap weights, resume (vllm only for the last two)")
     startup_timeout_s: float = Field(300, gt=0)
+    seed: int | None = Field(
+        None, description="set: each request's sampling seed derives from it, the episode's session id and turn, "
+        "so generation repeats (e.g. a resumed run at η = 0; SGLang honours it only with deterministic "
+        "inference). Unset: the engine draws")
 
     @field_validator("urls")
     @classmethod

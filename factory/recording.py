@@ -19,6 +19,21 @@ def checkpoint_version(checkpoint: Path) -> int:
     return int(json.loads((Path(checkpoint) / "state.json").read_text())["version"])
 
 
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (a checkpoint dir is renamed into place when whole)."""
+    found = []
+    for path in (Path(run_dir) / "checkpoints").glob("step-*"):
+        step = path.name.removeprefix("step-")
+        if path.is_dir() and step.isdigit():
+            found.append((int(step), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = checkpoints(run_dir)
+    return found[-1] if found else None
+
+
 class RunRecorder:
     """Fans each step's batch and metrics out to run-dir files, the lake and MLflow.
 
@@ -36,6 +51,7 @@ class RunRecorder:
         self.tracker = None
         start = checkpoint_version(resume_from) if resume_from is not None else 0
         self.start_step = start
+        self.step = start  # the last step logged
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
         self.metrics_file = open(run_dir / "metrics.jsonl", "a")
@@ -79,7 +95,25 @@ class RunRecorder:
 
             self.lake.append("samples", sample_rows(batch, self.run_id, step))
 
+    @property
+    def keeps_all_samples(self) -> bool:
+        """Whether untrained samples (discarded, failed, evaluation episodes) are recorded: with the lake."""
+        return self.lake is not None
+
+    def log_discarded(self, step: int, discarded: list, failed: list) -> None:
+        """Samples that will never be trained, recorded at `step` with their fate: `discarded` as the
+        buffer hands them out ((status, sample, reason)), `failed` as (group id, EpisodeFailure)."""
+        if self.lake is None or not (discarded or failed):
+            return
+        from factory.lake.writer import failed_row, sample_row
+
+        rows = [sample_row(sample, self.run_id, status, step, info={"reason": reason})
+                for status, sample, reason in discarded]
+        rows += [failed_row(self.run_id, group_id, f.task_id, f.env, f.error, step) for group_id, f in failed]
+        self.lake.append("samples", rows)
+
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        self.step = step
         self.origin()
         if self.lake is not None:
             metrics = {**metrics, **self.lake.metrics()}
@@ -138,7 +172,14 @@ class RunRecorder:
         if self.lake is not None:
             self.lake.flush()
 
-    def log_evaluation(self, step: int, version: int, suite: str, result: dict[str, Any]) -> None:
+    def log_evaluation(self, step: int, version: int, suite: str, result: dict[str, Any], episodes: list | None = None,
+                       tag: str = "") -> None:
+        """An evaluation's summary, and (lake) its episodes as `evaluation` samples with ids
+        `eval-{step}-{tag}-…`, so two evaluations of one run never share an id."""
+        if self.lake is not None and episodes:
+            from factory.lake.writer import evaluation_rows
+
+            self.lake.append("samples", evaluation_rows(self.run_id, step, version, suite, tag, episodes))
         if self.lake is not None:
             checkpoint = self.dir / "checkpoints" / f"step-{step:06d}"
             self.lake.append("evaluations", [{

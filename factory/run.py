@@ -32,6 +32,7 @@ from factory.runtime.cluster import check_placement, local_ray
 from factory.runtime.deadlines import get_within
 from factory.runtime.transfer import DirBundle, node_ip
 from factory.runtime.weights import connect_broadcast, engine_metrics, publish_weights
+from factory.throughput import WindowedRate
 
 __all__ = ["StepReport", "connect_broadcast", "engine_metrics", "publish_weights", "run"]
 
@@ -67,7 +68,9 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
     t_start = time.time()
 
     phase("base policy (build + SFT warm start, cached)")
-    policy = resume_from or ensure_base_policy(recipe, on_sft_step)
+    # a resumed run starts from the base policy too and loads the checkpoint's state into the trainer: the
+    # KL reference and the LoRA base stay the original policy (not the checkpoint's merged weights)
+    policy = ensure_base_policy(recipe, on_sft_step)
     source = ReasoningGymSource.from_recipe(recipe.data)
     heldout = suite_tasks(recipe, "heldout", source=source)  # a seeded sample, never a prefix
 
@@ -95,8 +98,12 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         buffer = placed(BufferActor, where.buffer).remote(
             recipe.name, source.train, recipe.train.groups_per_step, recipe.async_.max_staleness,
             recipe.async_.max_inflight_groups, recipe.algorithm.filter_zero_variance, recipe.train.seed,
-            recipe.async_.overprovision, recipe.async_.schedule, recipe.async_.lookahead, recipe.failures)
+            recipe.async_.overprovision, recipe.async_.schedule, recipe.async_.lookahead, recipe.failures,
+            record.keeps_all_samples)
         created.extend(a for a in (trainer, scorer, buffer) if a is not None)
+        if record.keeps_all_samples:  # a failing run still records what it generated (failed groups too)
+            created.before_kill.append(lambda: record.log_discarded(
+                record.step, *ray.get(buffer.take_discarded.remote(unused=True), timeout=30)))
         ray.get([e.start.remote() for e in engines])
         if not own_engines:
             ray.get([e.set_partial_rollout.remote(recipe.rollout.partial_rollout) for e in engines])
@@ -124,14 +131,18 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         results: dict = {"run_dir": str(run_dir), "recipe": recipe.name, "policy": str(policy), "nodes": nodes}
         if recipe.eval.before:
             phase(f"evaluating the starting policy on {len(heldout)} held-out tasks")
-            results["before"] = evaluate_workers(workers, heldout, recipe, "before")
-            record.log_evaluation(version, version, "heldout", results["before"])
+            results["before"] = evaluate_workers(workers, heldout, recipe, "before",
+                                                 keep_episodes=record.keeps_all_samples)
+            record.log_evaluation(version, version, "heldout", results["before"], results["before"].pop("episodes", None),
+                                  "before")
 
         phase("training")
         producing = [w.produce.remote() for w in workers]
         t_train = time.perf_counter()
         wait_s = sync_s = fill_s = 0.0
         samples_done = 0
+        window = WindowedRate()  # samples/s over the last steps: a running mean hides a slowdown
+        window.observe(0.0, trained=0, generated=0)
         for step in range(version + 1, recipe.train.steps + 1):
             t0 = time.perf_counter()
             batch = get_within(buffer.get_batch.remote(), deadlines.batch_s, f"the batch of step {step}",
@@ -152,11 +163,16 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
             sync_s += sync["weightsync/seconds"]
             ray.get(buffer.set_version.remote(step))
             record.log_batch(batch, step)
+            if record.keeps_all_samples:  # what this step's generation will never train: filtered, stale, failed
+                record.log_discarded(step, *ray.get(buffer.take_discarded.remote()))
             samples_done += len(batch.samples)
             elapsed = time.perf_counter() - t_train
             metrics.update(ray.get(buffer.metrics.remote()))
             metrics.update(engine_metrics(engines))
             metrics.update(sync)
+            rates = window.observe(elapsed, trained=samples_done, generated=metrics["buffer/finished_samples"])
+            metrics.update({"perf/trained_samples_per_s": rates["trained"], "perf/generated_samples_per_s":
+                            rates["generated"], "perf/trained_samples": samples_done})
             metrics.update({"perf/samples_per_s": samples_done / elapsed,
                             "perf/trainer_idle_fraction": wait_s / elapsed, "perf/elapsed_s": elapsed})
             record.log_step(step, metrics)
@@ -164,7 +180,10 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
                 on_step(StepReport(step, metrics))
             every = recipe.train.checkpoint_every
             if (every and step % every == 0) or step == recipe.train.steps:
-                extra = {"buffer": ray.get(buffer.state_dict.remote()), "step": step}
+                # the state and the discards so far in one call: nothing slips between the two
+                state, discarded, failed = ray.get(buffer.checkpoint_state.remote())
+                record.log_discarded(step, discarded, failed)
+                extra = {"buffer": state, "step": step}
                 ckpt = run_dir / "checkpoints" / f"step-{step:06d}"
                 record.flush()  # the lake holds every row up to a checkpoint before the checkpoint exists
                 bundle = get_within(trainer.checkpoint.remote(extra), deadlines.train_step_s,
@@ -177,12 +196,16 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         ray.get(buffer.stop.remote())
         ray.get([w.stop_producing.remote() for w in workers])
         ray.get(producing)
+        if record.keeps_all_samples:  # what was still queued, and what finished while stopping
+            record.log_discarded(recipe.train.steps, *ray.get(buffer.take_discarded.remote(unused=True)))
+        results["buffer"] = ray.get(buffer.metrics.remote())  # the final counts: every group's fate
         results["engine_requests"] = [m.get("rollout/engine_requests", 0.0)
                                       for m in ray.get([e.metrics.remote() for e in engines])]
         if recipe.eval.after:
             phase(f"evaluating the trained policy on {len(heldout)} held-out tasks")
-            results["after"] = evaluate_workers(workers, heldout, recipe, "after")
-            record.log_evaluation(recipe.train.steps, recipe.train.steps, "heldout", results["after"])
+            results["after"] = evaluate_workers(workers, heldout, recipe, "after", keep_episodes=record.keeps_all_samples)
+            record.log_evaluation(recipe.train.steps, recipe.train.steps, "heldout", results["after"],
+                                  results["after"].pop("episodes", None), "after")
         ray.get([w.close.remote() for w in workers])
         if own_engines:
             ray.get([e.stop.remote() for e in engines])

@@ -40,6 +40,13 @@ class DurationPredictor:
         self.overall = self._ema(self.overall, seconds)
         self.observed += 1
 
+    def state_dict(self) -> dict:
+        return {"by_task": self.by_task, "by_family": self.by_family, "overall": self.overall, "observed": self.observed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.by_task, self.by_family = dict(state["by_task"]), dict(state["by_family"])
+        self.overall, self.observed = state["overall"], state["observed"]
+
     def predict(self, task: Task) -> float | None:
         """Predicted seconds, or None with no history at all."""
         for table, key in ((self.by_task, task.task_id), (self.by_family, task.family)):

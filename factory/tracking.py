@@ -36,7 +36,10 @@ from factory.paths import state_dir  # noqa: E402
 DEFAULT_EXPERIMENT = "factory"
 RUN_TAG = "factory.run"  # the RL run's name, to find its MLflow run again on resume
 REWARD_METRIC = "rollout/reward_mean"
-THROUGHPUT_METRIC = "perf/samples_per_s"
+THROUGHPUT_METRIC = "perf/samples_per_s"  # trained samples / seconds since training started: a running mean
+# samples/s over the last steps (factory.throughput.WindowedRate): generated (every finished sample,
+# filtered ones included) and trained; a slowdown shows in these, the running mean hides it
+WINDOWED_THROUGHPUT = {"generated": "perf/generated_samples_per_s", "trained": "perf/trained_samples_per_s"}
 
 
 def default_tracking_uri() -> str:
@@ -174,6 +177,9 @@ class RunTracker:
                   out_dir: str | Path | None = None) -> list[Path]:
         """Plot the reward curve, throughput and staleness histogram as PNGs; log them under `plots/`.
 
+        The throughput plot shows generated and trained samples/s per window of steps (older runs,
+        without them: the running mean).
+
         `metrics_jsonl` is the run's metrics file (one `{"step": s, name: value, ...}` per line);
         `staleness` the per-sample staleness of trained samples. Plots whose data is absent are
         skipped. Returns the PNG paths.
@@ -181,14 +187,13 @@ class RunTracker:
         run_id, metrics_jsonl = self._id(), Path(metrics_jsonl)
         out = Path(out_dir) if out_dir is not None else metrics_jsonl.parent / "plots"
         out.mkdir(parents=True, exist_ok=True)
-        series = read_series(metrics_jsonl, [REWARD_METRIC, THROUGHPUT_METRIC])
+        series = read_series(metrics_jsonl, [REWARD_METRIC, THROUGHPUT_METRIC, *WINDOWED_THROUGHPUT.values()])
         made = []
         if series[REWARD_METRIC]:
             made.append(_line_plot(series[REWARD_METRIC], "reward (mean per step)", REWARD_METRIC,
                                    out / "reward.png"))
-        if series[THROUGHPUT_METRIC]:
-            made.append(_line_plot(series[THROUGHPUT_METRIC], "throughput", "samples / s",
-                                   out / "throughput.png"))
+        if series[THROUGHPUT_METRIC] or any(series[k] for k in WINDOWED_THROUGHPUT.values()):
+            made.append(throughput_plot(series, out / "throughput.png"))
         staleness = list(staleness)
         if staleness:
             made.append(_staleness_histogram(staleness, out / "staleness.png"))
@@ -235,6 +240,28 @@ def _line_plot(points: list[tuple[int, float]], title: str, ylabel: str, path: P
     ax.plot(steps, values, lw=1.2)
     ax.set(title=title, xlabel="step", ylabel=ylabel)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def throughput_plot(series: Mapping[str, list[tuple[int, float]]], path: Path) -> Path:
+    """Generated and trained samples/s per window of steps, and the trained running mean (dashed)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.5), dpi=100)
+    ax = fig.subplots()
+    lines = [(WINDOWED_THROUGHPUT["generated"], "generated (window)", "-"),
+             (WINDOWED_THROUGHPUT["trained"], "trained (window)", "-"),
+             (THROUGHPUT_METRIC, "trained (running mean)", "--")]
+    for name, label, style in lines:
+        if series.get(name):
+            steps, values = zip(*series[name])
+            ax.plot(steps, values, style, lw=1.2, label=label)
+    ax.set(title="throughput", xlabel="step", ylabel="samples / s")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     return path

@@ -271,7 +271,8 @@ class Trainer:
         self.save_hf(tmp)
         if self.lora:
             self.save_adapter(tmp / "adapter")
-        torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, tmp / "trainer.pt")
+        torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version,
+                    "rng": torch.get_rng_state()}, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps({"version": self.version, **extra}))
         if out.exists():
             import shutil
@@ -281,6 +282,8 @@ class Trainer:
         return out
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> dict[str, Any]:
+        """Continue from a checkpoint: weights (the adapter alone with LoRA: the base stays the original
+        policy this trainer was built on, as does the KL reference), optimizer, version and RNG state."""
         from transformers import AutoModelForCausalLM
 
         ckpt = Path(ckpt_dir)
@@ -294,4 +297,6 @@ class Trainer:
         state = torch.load(ckpt / "trainer.pt", weights_only=False, map_location=self.device)
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = state["version"]
+        if "rng" in state:
+            torch.set_rng_state(state["rng"].cpu())
         return json.loads((ckpt / "state.json").read_text())

@@ -50,6 +50,8 @@ class Sample:
     info: dict[str, Any] = field(default_factory=dict)
     support: list[list[int]] = field(default_factory=list)
     teacher_logprobs: list[float] = field(default_factory=list)  # set by a scorer (factory/scoring.py)
+    prompt_text: str = ""  # the decoded prompt_ids / completion_ids (what the model read and wrote)
+    completion_text: str = ""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -92,6 +94,14 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [s.reward for s in self.samples]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data (a checkpoint keeps queued groups this way); `from_dict` inverts it."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Group:
+        return cls(group_id=d["group_id"], task=Task(**d["task"]), samples=[Sample(**s) for s in d["samples"]])
 
     @property
     def oldest_version(self) -> int:

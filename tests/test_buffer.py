@@ -237,7 +237,35 @@ def test_metrics_names_are_stable():
     assert metrics["buffer/capacity"] == 3.0
 
 
-def test_state_dict_round_trip_regenerates_queue():
+def test_discarded_samples_carry_their_fate_and_the_queue_drains_as_unused():
+    buffer = StalenessBuffer(groups_per_step=4, max_staleness=0, max_inflight=10, keep_discarded=True)
+    start_n(buffer, 4)
+    same = make_group([1.0, 1.0])
+    buffer.finish(same)  # filtered
+    half_stale = make_group([0.0, 1.0, 1.0], versions=[0, 0, 0])
+    buffer.finish(half_stale)  # accepted at version 0
+    buffer.set_version(1)  # now all of half_stale is too old: purged
+    mixed = make_group([0.0, 1.0, 0.5], versions=[1, 1, 0])
+    buffer.finish(mixed)  # its version-0 sample is stale; the rest is queued
+    buffer.finish(make_group([0.0, 1.0], versions=1))
+    fates = [(status, s.sample_id) for status, s, _ in buffer.take_discarded()]
+    assert fates == ([("filtered", s.sample_id) for s in same.samples]
+                     + [("rejected", s.sample_id) for s in half_stale.samples]
+                     + [("rejected", mixed.samples[2].sample_id)])
+    assert buffer.take_discarded() == []  # handed out once
+    buffer.drain_unused()
+    unused = buffer.take_discarded()
+    assert {status for status, _, _ in unused} == {"unused"} and len(unused) == 4
+    assert buffer.queued == 0 and buffer.accepted == buffer.consumed == 0
+    quiet = StalenessBuffer(groups_per_step=2, max_staleness=0, max_inflight=10)
+    start_n(quiet, 1)
+    quiet.finish(make_group([1.0, 1.0]))
+    assert quiet.take_discarded() == []  # nothing is kept unless asked (no lake: no memory growth)
+
+
+def test_state_dict_round_trip_keeps_the_queue():
+    import json
+
     buffer = StalenessBuffer(groups_per_step=2, max_staleness=1, max_inflight=10)
     start_n(buffer, 4)
     for _ in range(3):
@@ -246,14 +274,24 @@ def test_state_dict_round_trip_regenerates_queue():
     buffer.take_batch()
     buffer.set_version(1)
     start_n(buffer, 1)
-    state = buffer.state_dict()
+    queued = [g.to_dict() for g in buffer._queue]
+    state = json.loads(json.dumps(buffer.state_dict()))  # a checkpoint's state.json
 
     resumed = StalenessBuffer(groups_per_step=2, max_staleness=1, max_inflight=10)
     resumed.load_state_dict(state)
     assert resumed.version == 1
-    assert (resumed.consumed, resumed.accepted, resumed.running, resumed.queued) == (2, 2, 0, 0)
-    assert resumed.filtered == 1
-    assert resumed.capacity() == 4  # (1 + 1 + 1)·2 − 2: a full η+1 steps of room again
+    # the queued group survives, whole; the running one is the caller's to re-start
+    assert (resumed.consumed, resumed.accepted, resumed.running, resumed.queued) == (2, 3, 0, 1)
+    assert [g.to_dict() for g in resumed._queue] == queued
+    assert resumed.filtered == 1 and resumed.metrics()["buffer/finished_samples"] == 8
+    assert resumed.capacity() == 3  # (1 + 1 + 1)·2 − 3
+
+
+def test_a_checkpoint_without_a_queue_regenerates_it():
+    old = {"version": 1, "consumed": 2, "filtered": 1}  # state.json of a checkpoint before queues were saved
+    buffer = StalenessBuffer(groups_per_step=2, max_staleness=1, max_inflight=10)
+    buffer.load_state_dict(old)
+    assert (buffer.accepted, buffer.queued, buffer.capacity()) == (2, 0, 4)
 
 
 # ---- randomized invariants -----------------------------------------------------------------
@@ -276,9 +314,12 @@ class LoopDriver:
     """
 
     def __init__(self, config: dict) -> None:
-        self.buffer = StalenessBuffer(**config)
+        self.buffer = StalenessBuffer(**config, keep_discarded=True)
         self.batches_taken = 0
         self.running = 0
+        self.finished: set[str] = set()  # every sample of every finished group
+        self.trained: set[str] = set()
+        self.discarded: dict[str, str] = {}  # sample id -> status
 
     def start(self, count: int) -> None:
         for _ in range(count):
@@ -303,6 +344,8 @@ class LoopDriver:
             mixed = st.lists(st.integers(low, b.version), min_size=size, max_size=size)
             group = make_group(rewards, data.draw(st.one_of(one_version, mixed)))
         outcome = b.finish(group)
+        if group is not None:
+            self.finished |= {s.sample_id for s in group.samples}
         self.running -= 1
         after = (b.accepted, b.filtered, b.rejected_groups, b.failed)
         expected_change = {
@@ -318,6 +361,8 @@ class LoopDriver:
             assert b.queued < b.groups_per_step
             return
         self.batches_taken += 1
+        assert not self.trained & {s.sample_id for s in batch.samples}
+        self.trained |= {s.sample_id for s in batch.samples}
         assert batch.version == b.version
         assert len(batch.groups) == b.groups_per_step
         assert all(0 <= s <= b.max_staleness for s in batch.staleness())
@@ -332,6 +377,15 @@ class LoopDriver:
 
     def check(self) -> None:
         b = self.buffer
+        for status, sample, reason in b.take_discarded():
+            assert sample.sample_id not in self.discarded and status in ("filtered", "rejected") and reason
+            self.discarded[sample.sample_id] = status
+        # every generated sample has exactly one fate: trained, still queued, or discarded
+        queued = {s.sample_id for g in b._queue for s in g.samples}
+        fates = [self.trained, queued, set(self.discarded)]
+        assert set().union(*fates) == self.finished
+        assert sum(map(len, fates)) == len(self.finished)
+        assert b.metrics()["buffer/finished_samples"] == len(self.finished)
         assert b.running == self.running
         assert 0 <= b.running <= b.max_inflight
         assert b.capacity() >= 0

@@ -71,3 +71,20 @@ def test_the_summary_names_plots_and_prints_commands_for_this_state_dir(capsys, 
         assert f"sqlite:///{tmp_path / home / 'mlflow' / 'mlflow.db'}" in mlflow
     else:
         assert "FACTORY_HOME" not in lake and f"sqlite:///{REPO_ROOT / '.state' / 'mlflow' / 'mlflow.db'}" in mlflow
+
+
+def test_resume_names_what_is_missing_in_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("FACTORY_HOME", str(tmp_path))
+    runs = tmp_path / "runs"
+    started = runs / "default-20260101-000000"
+    started.mkdir(parents=True)
+    (started / "recipe.yaml").write_text((REPO_ROOT / "recipes" / "default.yaml").read_text())
+    assert main(["run", "--resume", "default-20990101-000000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --resume default-20990101-000000: no run with that id or directory (under {runs}; "
+                   "latest: default-20260101-000000)")
+    assert main(["run", "--resume", "default-20260101-000000", "train.steps=8"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --resume default-20260101-000000: {started} has no "
+                                               "checkpoint yet; start it again instead")
+    assert main(["run"]) == 2
+    assert capsys.readouterr().err.strip() == "error: give a recipe to run, or --resume RUN_ID"

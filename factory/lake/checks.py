@@ -17,9 +17,9 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.expressions import EqualTo
 
 from factory.lake.catalog import open_catalog
-from factory.lake.schemas import NAMESPACE
+from factory.lake.schemas import NAMESPACE, SAMPLE_STATUSES
 
-CHECK_COLUMNS = ("run_id", "sample_id", "versions", "loss_mask", "trained_version")
+CHECK_COLUMNS = ("run_id", "sample_id", "versions", "loss_mask", "trained_version", "trained_step", "status", "error")
 
 
 @dataclass
@@ -98,10 +98,27 @@ def version_order_violations(samples: pa.Table, run_id: str | None = None, limit
     return CheckResult("version_order_violations", count, examples)
 
 
+def status_violations(samples: pa.Table, run_id: str | None = None, limit: int = 5) -> CheckResult:
+    """Rows whose fate does not add up: an unknown status; a trained row without its step or version;
+    a row of another status claiming a trained step; a failed row without its error. (A row with no
+    status predates the column: a trained sample.)"""
+    known = ", ".join(f"'{s}'" for s in SAMPLE_STATUSES)
+    body = f"""
+        SELECT sample_id, status, trained_step, trained_version, error FROM s
+        WHERE (status IS NOT NULL AND status NOT IN ({known}))
+           OR (coalesce(status, 'trained') = 'trained' AND (trained_step IS NULL OR trained_version IS NULL))
+           OR (status <> 'trained' AND trained_step IS NOT NULL)
+           OR (status = 'failed' AND (error IS NULL OR error = ''))
+        ORDER BY sample_id
+    """
+    count, examples = _query(samples, run_id, body, [], limit)
+    return CheckResult("status_violations", count, examples)
+
+
 def run_checks(run_id: str, max_staleness: int, catalog: Catalog | None = None,
                namespace: str = NAMESPACE) -> dict[str, CheckResult]:
     """All sample checks for one run, read from the lake."""
     samples = load_samples(run_id, catalog, namespace)
     return {c.name: c for c in (duplicate_sample_ids(samples, run_id),
                                 staleness_violations(samples, max_staleness, run_id),
-                                version_order_violations(samples, run_id))}
+                                version_order_violations(samples, run_id), status_violations(samples, run_id))}

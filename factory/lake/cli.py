@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from typing import Any
 
 import pyiceberg.exceptions
@@ -54,6 +55,19 @@ def cmd_sql(args) -> int:
     return 0
 
 
+def cmd_tables(args) -> int:
+    from factory.lake.query import table_summaries
+
+    try:
+        result = table_summaries(catalog=_open(args), namespace=args.namespace)
+    except _USER_ERRORS as err:
+        return _fail(first_line(err))
+    for row in result.to_pylist():  # a table per paragraph: name and rows, then its columns, wrapped
+        print(f"{row['table']}: {row['rows']} rows")
+        print(textwrap.fill(row["columns"], width=100, initial_indent="  ", subsequent_indent="  "))
+    return 0
+
+
 def cmd_maintain(args) -> int:
     from factory.lake.maintenance import maintain
 
@@ -96,7 +110,7 @@ def catalog_arguments() -> argparse.ArgumentParser:
 
 
 def add_lake_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Add `lake sql|maintain|check` to a `factory` CLI's subparsers (each sets `fn`)."""
+    """Add `lake sql|tables|maintain|check` to a `factory` CLI's subparsers (each sets `fn`)."""
     lake = subparsers.add_parser("lake", help="the Iceberg trajectory lake: SQL, maintenance, checks")
     common = catalog_arguments()
     sub = lake.add_subparsers(dest="lake_command", required=True)
@@ -106,6 +120,9 @@ def add_lake_commands(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--format", choices=["table", "json"], default="table")
     q.add_argument("--max-rows", type=int, default=50)
     q.set_defaults(fn=cmd_sql)
+
+    t = sub.add_parser("tables", parents=[common], help="the lake's tables: rows and columns of each")
+    t.set_defaults(fn=cmd_tables)
 
     m = sub.add_parser("maintain", parents=[common], help="compact small files, expire snapshots, delete orphans")
     m.add_argument("--keep-snapshots", type=int, default=5)

@@ -51,10 +51,27 @@ def sql(query: str, catalog: Catalog | None = None, namespace: str = NAMESPACE,
     try:
         relation = con.sql(query, params=params) if params else con.sql(query)
         return relation.to_arrow_table() if relation is not None else pa.table({})
+    except duckdb.CatalogException as e:  # a wrong table name: say which ones exist
+        raise LakeQueryError(f"{first_line(e)} (lake tables: {', '.join(TABLES)}; "
+                             "`factory lake tables` shows their columns)") from None
     except duckdb.Error as e:
         raise LakeQueryError(first_line(e)) from None
     finally:
         con.close()
+
+
+def table_summaries(catalog: Catalog | None = None, namespace: str = NAMESPACE) -> pa.Table:
+    """One row per lake table: its name, committed rows (from the current snapshot's summary), what a
+    row is, and its columns."""
+    catalog = catalog if catalog is not None else open_catalog(namespace=namespace)
+    rows = []
+    for name in TABLES:
+        table = catalog.load_table((namespace, name))
+        snapshot = table.current_snapshot()
+        total = snapshot.summary.additional_properties.get("total-records") if snapshot and snapshot.summary else None
+        rows.append({"table": name, "rows": int(total) if total is not None else 0,
+                     "columns": ", ".join(f.name for f in table.schema().fields)})
+    return pa.Table.from_pylist(rows)
 
 
 def find_evaluation(run_id: str, step: int, suite: str, catalog: Catalog | None = None,

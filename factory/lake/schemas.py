@@ -3,7 +3,7 @@
 | table        | one row per                          | key                     | partitioned by |
 |--------------|--------------------------------------|-------------------------|----------------|
 | tasks        | task of one dataset                  | dataset, task_id        | dataset        |
-| samples      | trajectory the trainer consumed      | run_id, sample_id       | run_id         |
+| samples      | generated trajectory, with its fate  | run_id, sample_id       | run_id         |
 | steps        | optimizer step (its metrics)         | run_id, step            | run_id         |
 | evaluations  | (checkpoint, suite) evaluation       | run_id, step, suite     | run_id         |
 | checkpoints  | saved checkpoint                     | run_id, step            | run_id         |
@@ -12,6 +12,14 @@ Token-level columns of `samples` (`completion_ids`, `logprobs`, `versions`, `los
 aligned: element i of each describes completion token i (see `factory.types.Sample`).
 `tasks.dataset` is the fingerprint of the recipe's `data` section (`factory.data.tasks.dataset_fingerprint`):
 task ids like `basic_arithmetic/train/0` repeat across datasets, so they are unique only within one.
+`samples.status` is each generated sample's fate (`SAMPLE_STATUSES`): `trained` (exactly once, with
+`trained_step`), `filtered` (its group had no reward variance), `rejected` (too stale, or its group
+was left too small), `unused` (queued when the run ended), `failed` (its group raised: one row per
+group with `error`, no tokens) and `evaluation` (a held-out episode; `info.suite`, `info.tag`).
+`batch_position` is a trained sample's index in its step's batch (the order the trainer saw).
+`step` is the optimizer step at which the row was recorded (= `trained_step` for trained rows): a
+resumed run deletes its rows beyond the checkpoint by it. Rows written before `status` existed have
+none; they are trained samples.
 New columns go at the end of a schema: `catalog.ensure_tables` adds them to existing tables.
 """
 
@@ -126,8 +134,11 @@ _SAMPLES = _schema([
     ("loss_mask", ("list", _I), False), ("reward", _D, False), ("turns", _I, False),
     ("env", _S, False), ("finish_reason", _S, False), ("timings", _S, False), ("info", _S, False),
     ("trained_step", _I, False), ("trained_version", _I, False), ("staleness", _I, False),
-    ("written_at", _T, False),
+    ("written_at", _T, False), ("status", _S, False), ("step", _I, False), ("error", _S, False),
+    ("prompt_text", _S, False), ("completion_text", _S, False), ("support", ("list", ("list", _I)), False),
+    ("teacher_logprobs", ("list", _F), False), ("batch_position", _I, False),
 ])
+SAMPLE_STATUSES = ("trained", "filtered", "rejected", "unused", "failed", "evaluation")
 _STEPS = _schema([
     ("run_id", _S, True), ("step", _I, True), ("metrics", ("map", _S, _D), False), ("time", _T, False),
 ])
@@ -152,7 +163,7 @@ TABLES: dict[str, TableSpec] = {
     "tasks": TableSpec("tasks", _TASKS, _by(_TASKS, "dataset"), key=("dataset", "task_id"), scope="dataset",
                        properties=_TABLE_PROPERTIES),
     "samples": TableSpec("samples", _SAMPLES, _by(_SAMPLES, "run_id"), key=("run_id", "sample_id"), scope="run_id",
-                         position="trained_step", json_columns=("timings", "info"),
+                         position="step", json_columns=("timings", "info"),
                          now_columns=("written_at",), properties=_TABLE_PROPERTIES),
     "steps": TableSpec("steps", _STEPS, _by(_STEPS, "run_id"), key=("run_id", "step"), scope="run_id",
                        position="step", now_columns=("time",), number_maps=("metrics",),

@@ -4,7 +4,7 @@ Rows are validated against the table's Arrow schema when appended (errors reach 
 batched; a background thread commits a table's batch when it holds `batch_rows` rows or its oldest
 row is `flush_interval_s` old. Each commit is one Iceberg append whose snapshot summary carries
 `factory.batch` (an idempotency key) and `factory.position.<run_id>` (the highest position column
-value — `trained_step` for samples, `step` otherwise — in the batch).
+value — `step` — in the batch).
 
 Exactly once across restarts: row keys are deterministic (`schemas.TableSpec.key`, e.g.
 (run_id, sample_id)); the first time a writer sees a partition (`TableSpec.scope`: a run, or a
@@ -41,7 +41,7 @@ from sqlalchemy.exc import OperationalError
 from factory.lake.catalog import open_catalog
 from factory.lake.maintenance import backoff_s, expire_snapshots
 from factory.lake.schemas import NAMESPACE, TABLES, TableSpec, table_spec
-from factory.types import Batch
+from factory.types import Batch, Sample
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class TrajectoryWriter:
         self.close()
 
     def position(self, table_name: str, run_id: str | None = None) -> int | None:
-        """How far `run_id` got in `table_name`: the max committed position value (e.g. trained_step).
+        """How far `run_id` got in `table_name`: the max committed position value (e.g. step).
 
         Read from the newest snapshot summary that records it; after expiry removed those, from
         the data.
@@ -421,20 +421,43 @@ def _max_position_per_run(data: pa.Table, column: str) -> dict[str, int]:
             if v is not None}
 
 
+def sample_row(sample: Sample, run_id: str, status: str, step: int, *, trained_version: int | None = None,
+               sample_id: str | None = None, info: dict[str, Any] | None = None,
+               batch_position: int | None = None) -> dict[str, Any]:
+    """The `samples` row of one generated sample whose fate is `status` (`schemas.SAMPLE_STATUSES`),
+    recorded at optimizer step `step`. Trained rows carry `trained_version` and their staleness."""
+    trained = status == "trained"
+    return {
+        "run_id": run_id, "sample_id": sample_id or sample.sample_id, "group_id": sample.group_id,
+        "task_id": sample.task_id, "prompt_ids": sample.prompt_ids, "completion_ids": sample.completion_ids,
+        "logprobs": sample.logprobs, "versions": sample.versions, "loss_mask": sample.loss_mask,
+        "reward": sample.reward, "turns": sample.turns, "env": sample.env,
+        "finish_reason": sample.finish_reason, "timings": sample.timings, "info": {**sample.info, **(info or {})} or None,
+        "trained_step": step if trained else None, "trained_version": trained_version if trained else None,
+        "staleness": trained_version - sample.oldest_version if trained else None,
+        "status": status, "step": step, "prompt_text": sample.prompt_text or None,
+        "completion_text": sample.completion_text or None, "support": sample.support or None,
+        "teacher_logprobs": sample.teacher_logprobs or None, "batch_position": batch_position,
+    }
+
+
 def sample_rows(batch: Batch, run_id: str, step: int) -> list[dict[str, Any]]:
     """Rows for the `samples` table from the batch the trainer consumed at optimizer step `step`.
 
     staleness = batch.version − (version of the sample's oldest sampled token).
     """
-    rows = []
-    for sample in batch.samples:
-        rows.append({
-            "run_id": run_id, "sample_id": sample.sample_id, "group_id": sample.group_id,
-            "task_id": sample.task_id, "prompt_ids": sample.prompt_ids, "completion_ids": sample.completion_ids,
-            "logprobs": sample.logprobs, "versions": sample.versions, "loss_mask": sample.loss_mask,
-            "reward": sample.reward, "turns": sample.turns, "env": sample.env,
-            "finish_reason": sample.finish_reason, "timings": sample.timings, "info": sample.info or None,
-            "trained_step": step, "trained_version": batch.version,
-            "staleness": batch.version - sample.oldest_version,
-        })
-    return rows
+    return [sample_row(s, run_id, "trained", step, trained_version=batch.version, batch_position=i)
+            for i, s in enumerate(batch.samples)]
+
+
+def evaluation_rows(run_id: str, step: int, version: int, suite: str, tag: str, episodes: list) -> list[dict[str, Any]]:
+    """`samples` rows of an evaluation's episodes (status `evaluation`), ids `eval-{step}-{episode id}`: two
+    evaluations of one run never share an id (their episode ids carry the evaluation's tag)."""
+    return [sample_row(e, run_id, "evaluation", step, sample_id=f"eval-{step}-{e.sample_id}",
+                       info={"suite": suite, "tag": tag, "version": version}) for e in episodes if e is not None]
+
+
+def failed_row(run_id: str, group_id: str, task_id: str, env: str, error: str, step: int) -> dict[str, Any]:
+    """The one `samples` row of a group whose episode raised: no tokens, the error's first line."""
+    return {"run_id": run_id, "sample_id": f"{group_id}-failed", "group_id": group_id, "task_id": task_id,
+            "env": env, "status": "failed", "step": step, "error": error}

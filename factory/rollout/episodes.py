@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import httpx
 
 from factory.rollout.gateway import Gateway
-from factory.types import Group, Task
+from factory.types import Group, Sample, Task
 
 
 @dataclass
@@ -87,14 +87,24 @@ class EpisodeRunner:
 
     async def rewards(self, tasks: list[Task], sampling: dict, concurrency: int = 128, tag: str = "eval") -> list[float]:
         """The reward of one episode per task, in the tasks' order."""
+        return [reward for reward, _ in await self.episodes(tasks, sampling, concurrency, tag)]
+
+    async def episodes(self, tasks: list[Task], sampling: dict, concurrency: int = 128, tag: str = "eval",
+                       keep: bool = False) -> list[tuple[float, Sample | None]]:
+        """One episode per task, in the tasks' order: (reward, its Sample when `keep`, else None).
+        Sample ids are `{tag}-{index}`."""
         sem = asyncio.Semaphore(concurrency)
 
-        async def one(i: int, task: Task) -> float:
+        async def one(i: int, task: Task) -> tuple[float, Sample | None]:
             async with sem:
                 sid = f"{tag}-{i}"
-                result, _ = await self.episode(sid, task, sampling)
-                self.gateway.drop(sid)
-                return result.reward
+                result, seconds = await self.episode(sid, task, sampling)
+                if not keep:
+                    self.gateway.drop(sid)
+                    return result.reward, None
+                return result.reward, self.gateway.finish(
+                    sid, sample_id=sid, group_id=tag, task_id=task.task_id, reward=result.reward, env=self.env.name,
+                    info=result.info, timings={"episode_s": seconds})
 
         return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
 

@@ -22,6 +22,7 @@ so an agent may echo the assistant message back in any equivalent form (ids, arg
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import time
@@ -149,13 +150,16 @@ def tool_names(body: dict[str, Any]) -> set[str]:
 
 
 class Gateway:
-    def __init__(self, tokenizer, engines: list, sampling_defaults: SamplingParams, model_name: str = "policy"):
+    def __init__(self, tokenizer, engines: list, sampling_defaults: SamplingParams, model_name: str = "policy",
+                 seed: int | None = None):
+        """`seed`: derive each request's sampling seed from it (`request_seed`); None: the engine draws."""
         if not engines:
             raise ValueError("the gateway needs at least one engine")
         self.tokenizer = tokenizer
         self.engines = engines
         self.defaults = sampling_defaults
         self.model_name = model_name
+        self.seed = seed
         self.sessions: dict[str, SessionRecord] = {}
         self.end_id = tokenizer.eos_token_id
         self.stats = {"requests": 0, "sampled_tokens": 0, "prompt_tokens_new": 0}
@@ -206,6 +210,14 @@ class Gateway:
         self.stats["sampled_tokens"] += len(ids)
         return text
 
+    def request_seed(self, body: dict[str, Any], session_id: str, turn: int) -> int | None:
+        """The body's seed, else (with `seed` set) one derived from it, the session and the turn."""
+        if body.get("seed") is not None:
+            return int(body["seed"])
+        if self.seed is None:
+            return None
+        return int.from_bytes(hashlib.sha256(f"{self.seed}/{session_id}/{turn}".encode()).digest()[:4], "big") >> 1
+
     def sampling_from(self, body: dict[str, Any]) -> SamplingParams:
         if body.get("n", 1) != 1:
             raise GatewayError("n must be 1: run one episode per completion")
@@ -235,6 +247,7 @@ class Gateway:
         record = self.sessions.setdefault(session_id, SessionRecord(session_id))
         prompt_ids = self.prompt_ids_for(record, messages, body.get("tools") or None)
         sampling = self.sampling_from(body)
+        sampling.seed = self.request_seed(body, session_id, record.turns)
         t0 = time.perf_counter()
         gen = await self.engine_for(session_id).generate(prompt_ids, sampling, f"{session_id}-{record.turns}")
         record.generate_s += time.perf_counter() - t0
@@ -274,6 +287,8 @@ class Gateway:
             loss_mask=record.loss_mask, versions=record.versions, reward=reward, env=env, turns=record.turns,
             finish_reason=record.finish_reason, timings={"generate_s": record.generate_s, **(timings or {})},
             info=info or {}, support=record.support,
+            prompt_text=self.tokenizer.decode(record.prompt_ids, skip_special_tokens=False),
+            completion_text=self.tokenizer.decode(record.completion_ids, skip_special_tokens=False),
         )
 
     def drop(self, session_id: str) -> None:

@@ -6,6 +6,7 @@ No RL logic lives here; every method forwards to a plain component.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -39,17 +40,29 @@ def placed(actor_class, resources: dict[str, float] | None = None, **options):
 def killed_on_error():
     """Yields a list; the actors appended to it are killed if the block raises. Actors otherwise live
     while a handle does, and a raised error's traceback holds the handles (seen: a failed run's env
-    workers kept generating into the next run, on a Ray the run had not started)."""
-    created: list = []
+    workers kept generating into the next run, on a Ray the run had not started). Callables appended
+    to its `before_kill` run first (best effort), e.g. to save what the actors hold."""
+    created = _Created()
     try:
         yield created
     except BaseException:
+        for last_words in created.before_kill:
+            try:
+                last_words()
+            except Exception as err:  # noqa: BLE001  (the run's own error matters more)
+                logging.getLogger(__name__).warning("before killing the run's actors: %s", err)
         for actor in created:
             try:
                 ray.kill(actor)
             except Exception:  # noqa: BLE001  (already gone; the run's own error matters)
                 pass
         raise
+
+
+class _Created(list):
+    def __init__(self) -> None:
+        super().__init__()
+        self.before_kill: list = []
 
 
 class Placed:
@@ -167,7 +180,7 @@ class BufferActor(Placed):
 
     def __init__(self, run_id: str, tasks: list[Task], groups_per_step: int, max_staleness: int,
                  max_inflight: int, filter_zero_variance: bool, seed: int, overprovision: int = 0,
-                 schedule: str = "fifo", lookahead: int = 16, failures=None):
+                 schedule: str = "fifo", lookahead: int = 16, failures=None, keep_discarded: bool = False):
         from factory.buffer import StalenessBuffer
         from factory.data.tasks import TaskSampler
         from factory.failures import FailureGate
@@ -176,12 +189,15 @@ class BufferActor(Placed):
 
         self.run_id = run_id
         self.buffer = StalenessBuffer(groups_per_step, max_staleness, max_inflight, filter_zero_variance,
-                                      overprovision)
+                                      overprovision, keep_discarded)
+        self.failed_groups: list[tuple[str, Any]] = []  # (group id, EpisodeFailure) until take_discarded
         self.sampler = TaskSampler(tasks, seed)
         self.tasks_by_id = {t.task_id: t for t in tasks}
         self.predictor = DurationPredictor()
         self.scheduler = LongestFirst(self.sampler.next, self.predictor, lookahead) if schedule == "longest_first" else None
         self.next_group = 0
+        self.inflight: dict[str, Task] = {}  # started, not finished: group id -> task (in start order)
+        self.restart: collections.deque[tuple[str, Task]] = collections.deque()  # a resumed run's in-flight groups
         self.changed = asyncio.Condition()
         self.stopped = False
         failures = failures or FailuresSection()
@@ -198,15 +214,23 @@ class BufferActor(Placed):
             if self.stopped:
                 return None
             self.buffer.start()
-            group_id = f"{self.run_id}-g{self.next_group:07d}"
-            self.next_group += 1
-            return group_id, (self.scheduler or self.sampler).next()
+            if self.restart:  # groups in flight at the checkpoint go first, under their own ids
+                group_id, task = self.restart.popleft()
+            else:
+                group_id, task = f"{self.run_id}-g{self.next_group:07d}", (self.scheduler or self.sampler).next()
+                self.next_group += 1
+            self.inflight[group_id] = task
+            return group_id, task
 
-    async def finish(self, group: Group | None, seconds: float | None = None, failure=None) -> str:
-        """`failure`: the EpisodeFailure of a group that raised (group None)."""
+    async def finish(self, group: Group | None, seconds: float | None = None, failure=None,
+                     group_id: str | None = None) -> str:
+        """`failure`: the EpisodeFailure of the group `group_id` that raised (group None)."""
         if group is not None and seconds is not None:
             self.predictor.observe(group.task, seconds)
+        self.inflight.pop(group.group_id if group is not None else group_id, None)
         status = self.buffer.finish(group)
+        if group is None and failure is not None and self.buffer.keep_discarded:
+            self.failed_groups.append((group_id or "unknown", failure))
         if not self.stopped:  # groups cut short by the run's end are not the environment's fault
             self.gate.record(failure if group is None else None)
         await self._notify()
@@ -221,7 +245,10 @@ class BufferActor(Placed):
             await self.changed.wait_for(lambda: self.stopped or self.gate.tripped or self.buffer.ready())
             if self.gate.tripped:
                 raise EnvironmentFailure(self.gate.message())
-            return None if self.stopped else self.buffer.take_batch()
+            batch = None if self.stopped else self.buffer.take_batch()
+            if batch is not None:  # in group-id order, not finish order: one batch, one order, run after run
+                batch.groups.sort(key=lambda g: g.group_id)
+            return batch
 
     async def set_version(self, version: int) -> None:
         self.buffer.set_version(version)
@@ -231,15 +258,36 @@ class BufferActor(Placed):
         self.stopped = True
         await self._notify()
 
+    def take_discarded(self, unused: bool = False) -> tuple[list, list]:
+        """What will never be trained, since the last call: ([(status, sample, reason)], [(group id,
+        EpisodeFailure)]). `unused`: the queue too (the run has ended)."""
+        if unused:
+            self.buffer.drain_unused()
+        failed, self.failed_groups = self.failed_groups, []
+        return self.buffer.take_discarded(), failed
+
     def state_dict(self) -> dict[str, Any]:
+        """Everything that decides what happens next: the buffer (queued groups included), the sampler's
+        position, the groups in flight (re-started first on resume, under their ids), the scheduler's
+        drawn-but-unstarted tasks and its duration predictor."""
         pending = [t.task_id for t in self.scheduler.pending] if self.scheduler else []
+        inflight = [[gid, task.task_id] for gid, task in [*self.restart, *self.inflight.items()]]
         return {"buffer": self.buffer.state_dict(), "sampler": self.sampler.state_dict(), "next_group": self.next_group,
-                "scheduler_pending": pending}
+                "scheduler_pending": pending, "inflight": inflight, "predictor": self.predictor.state_dict()}
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], list, list]:
+        """`state_dict` and `take_discarded` at one instant (a plain method runs between the actor's
+        coroutines): each sample a resumed run will not regenerate is recorded before the checkpoint."""
+        return (self.state_dict(), *self.take_discarded())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buffer.load_state_dict(state["buffer"])
         self.sampler.load_state_dict(state["sampler"])
         self.next_group = state["next_group"]
+        if "predictor" in state:
+            self.predictor.load_state_dict(state["predictor"])
+        self.restart = collections.deque((gid, self.tasks_by_id[tid]) for gid, tid in state.get("inflight", [])
+                                         if tid in self.tasks_by_id)
         if self.scheduler:  # tasks drawn but not started before the checkpoint go first
             self.scheduler.window.extend((self.tasks_by_id[i], 0) for i in state.get("scheduler_pending", [])
                                          if i in self.tasks_by_id)
@@ -270,7 +318,8 @@ class EnvWorkerActor(Placed):
                                   top_p=rollout.top_p, top_k=rollout.top_k, min_new_tokens=rollout.min_new_tokens,
                                   support_k=support_k(rollout))
         deadlines = deadlines or DeadlinesSection()
-        self.gateway = Gateway(tokenizer, [RemoteEngine(e, deadlines.engine_call_s) for e in engines], defaults)
+        self.gateway = Gateway(tokenizer, [RemoteEngine(e, deadlines.engine_call_s) for e in engines], defaults,
+                               seed=rollout.seed)
         self.env = make_environment(environment)
         sampling = {"temperature": rollout.temperature, "max_tokens": rollout.max_new_tokens}
         self.runner = EpisodeRunner(self.gateway, self.env, sampling, rollout.group_size)
@@ -293,7 +342,7 @@ class EnvWorkerActor(Placed):
             group, failure = None, EpisodeFailure.of(self.env.name, task.task_id, err)
             if self.producing:  # not the groups cut short when the run stops
                 self.failures.record(failure)
-        await self.buffer.finish.remote(group, time.perf_counter() - t0, failure)
+        await self.buffer.finish.remote(group, time.perf_counter() - t0, failure, group_id)
 
     async def produce(self) -> None:
         """Start groups whenever the buffer admits one, until `stop_producing`."""
@@ -311,9 +360,11 @@ class EnvWorkerActor(Placed):
         if self.tasks:
             await asyncio.gather(*self.tasks, return_exceptions=True)
 
-    async def rewards(self, tasks: list[Task], temperature: float, max_tokens: int, tag: str) -> list[float]:
-        """One evaluation episode per task: their rewards, in order."""
-        return await self.runner.rewards(tasks, {"temperature": temperature, "max_tokens": max_tokens}, tag=tag)
+    async def episodes(self, tasks: list[Task], temperature: float, max_tokens: int, tag: str,
+                       keep: bool = False) -> list[tuple[float, Any]]:
+        """One evaluation episode per task, in order: (reward, its Sample when `keep`)."""
+        return await self.runner.episodes(tasks, {"temperature": temperature, "max_tokens": max_tokens}, tag=tag,
+                                          keep=keep)
 
     async def metrics(self) -> dict[str, float]:
         m = self.gateway.metrics()

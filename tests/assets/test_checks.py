@@ -41,7 +41,8 @@ def test_checks_pass_on_a_clean_run(instance):
     write_run("clean", [(1, Batch(1, [Group("g1", task, [sample("a", [0, -1, 1]), sample("b", [1, -1, 1])])])),
                         (2, Batch(2, [Group("g2", task, [sample("c", [1, -1, 2])])]))])
     results = check_results(instance, "clean")
-    assert set(results) == {"no_duplicate_sample_ids", "staleness_within_eta", "versions_non_decreasing"}
+    assert set(results) == {"no_duplicate_sample_ids", "staleness_within_eta", "versions_non_decreasing",
+                            "statuses_consistent"}
     for evaluation in results.values():
         assert evaluation.passed and evaluation.metadata["samples"].value == 3
 

@@ -22,7 +22,7 @@ def test_definitions_load_and_validate(defs):
     assert {k.to_user_string() for k in graph.get_all_asset_keys()} == {
         "task_dataset", "base_policy", "rl_run", "checkpoint", "evaluation", "sandbox_image"}
     checks = {key.name for key in graph.asset_check_keys if key.asset_key == dg.AssetKey("rl_run")}
-    assert checks == {"no_duplicate_sample_ids", "staleness_within_eta", "versions_non_decreasing"}
+    assert checks == {"no_duplicate_sample_ids", "staleness_within_eta", "versions_non_decreasing", "statuses_consistent"}
     # lineage: data -> policy -> run -> evaluation
     assert graph.get(dg.AssetKey("evaluation")).parent_keys == {dg.AssetKey("checkpoint"), dg.AssetKey("rl_run")}
     assert graph.get(dg.AssetKey("checkpoint")).parent_keys == {dg.AssetKey("rl_run")}

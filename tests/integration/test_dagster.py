@@ -106,7 +106,7 @@ def test_a_sweep_of_two_points_trains_two_runs_with_lake_mlflow_and_evaluations(
         checks = {e["evaluation"]["checkName"]: e["evaluation"]["success"] for e in events
                   if e["__typename"] == "AssetCheckEvaluationEvent"}
         assert checks == {"no_duplicate_sample_ids": True, "staleness_within_eta": True,
-                          "versions_non_decreasing": True}
+                          "versions_non_decreasing": True, "statuses_consistent": True}
         (materialization,) = dagster.materializations("rl_run", key)
         assert materialization["runId"] == run["runId"]
         # lineage: each checkpoint is a materialization of its own asset, naming recipe and code
@@ -124,8 +124,12 @@ def test_a_sweep_of_two_points_trains_two_runs_with_lake_mlflow_and_evaluations(
 
         # the lake: 3 steps × 4 groups × 4 samples, each once; the before/after evaluations
         per_step = sql(f"SELECT trained_step, count(*) AS n, count(DISTINCT sample_id) AS ids FROM samples "
-                       f"WHERE run_id = '{key}' GROUP BY 1 ORDER BY 1", catalog=catalog).to_pylist()
+                       f"WHERE run_id = '{key}' AND status = 'trained' GROUP BY 1 ORDER BY 1",
+                       catalog=catalog).to_pylist()
         assert per_step == [{"trained_step": s, "n": 16, "ids": 16} for s in (1, 2, 3)]
+        episodes = sql(f"SELECT step, count(*) AS n FROM samples WHERE run_id = '{key}' AND status = 'evaluation' "
+                       "AND step IN (0, 3) GROUP BY 1 ORDER BY 1", catalog=catalog).to_pylist()
+        assert episodes == [{"step": 0, "n": 32}, {"step": 3, "n": 32}]  # before and after training
         steps = sql(f"SELECT step FROM steps WHERE run_id = '{key}' ORDER BY 1", catalog=catalog).to_pylist()
         assert [r["step"] for r in steps] == [1, 2, 3]
         evaluations = sql(f"SELECT step, suite, n FROM evaluations WHERE run_id = '{key}' AND step IN (0, 3) "
@@ -145,6 +149,9 @@ def test_a_sweep_of_two_points_trains_two_runs_with_lake_mlflow_and_evaluations(
     row = sql(f"SELECT n, mean FROM evaluations WHERE run_id = '{evaluated}' AND step = 2",
               catalog=catalog).to_pylist()
     assert row == [{"n": 32, "mean": pytest.approx(scored["metadata"]["accuracy"])}]
+    episodes = sql(f"SELECT count(*) AS n, avg(reward) AS mean FROM samples WHERE run_id = '{evaluated}' "
+                   "AND status = 'evaluation' AND step = 2", catalog=catalog).to_pylist()
+    assert episodes == [{"n": 32, "mean": pytest.approx(scored["metadata"]["accuracy"])}]  # each episode too
 
 
 def test_main_materializes_the_asset_graph_in_process(policy, tmp_path, monkeypatch):
@@ -177,5 +184,6 @@ def test_main_materializes_the_asset_graph_in_process(policy, tmp_path, monkeypa
             (record,) = instance.fetch_materializations(dg.AssetKey(asset), limit=5).records
             assert record.run_id == run.run_id
     assert (home / "runs" / key / "results.json").is_file()
-    rows = sql(query, catalog=lake(home)).to_pylist()
-    assert [r["trained_step"] for r in rows] == [1, 2] and all(r["samples"] == 16 for r in rows)
+    rows = {r["status"]: r for r in sql(query, catalog=lake(home)).to_pylist()}
+    assert rows["trained"]["samples"] == 2 * 16 and rows["trained"]["last_step"] == 2  # 2 steps x 4 groups x 4
+    assert rows["evaluation"]["samples"] == 2 * 16  # before and after

@@ -28,6 +28,14 @@ def test_teacher_scores_reach_every_trained_sample(engine, policy, tmp_path):
         gaps += [abs(t - b) for t, b, m in zip(r["teacher_logprobs"], r["logprobs"], r["loss_mask"]) if m]
     gaps = torch.tensor(gaps)
     assert gaps.mean() < BF16_MEAN_TOL and gaps.max() < BF16_MAX_TOL, (gaps.mean(), gaps.max())
+    from factory.lake.query import sql  # the lake keeps the teacher's logprobs with each trained sample
+
+    lake = sql(f"SELECT sample_id, teacher_logprobs FROM samples WHERE run_id = '{tmp_path.name}' "
+               "AND status = 'trained'").to_pylist()
+    want = {r["sample_id"]: r["teacher_logprobs"] for r in rows}
+    assert sorted(r["sample_id"] for r in lake) == sorted(want)
+    for r in lake:  # float32 in the lake
+        assert r["teacher_logprobs"] == pytest.approx(want[r["sample_id"]], rel=1e-6, abs=1e-6)
     step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert abs(step["distill/reverse_kl"]) < BF16_MEAN_TOL and step["perf/score_s"] > 0
 

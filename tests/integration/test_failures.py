@@ -29,6 +29,12 @@ def test_a_broken_environment_fails_the_run_with_its_first_traceback(engine, tmp
     assert 'broken_env.py", line' in message and "in score" in message  # where it raised, in the environment
     assert time.perf_counter() - t0 < 300  # no hang (133 s seen at load 8 on 2 cores)
     assert not (tmp_path / "results.json").exists()
+    # the failed groups are in the lake, each with its error, though the run never trained a step
+    from factory.lake.query import sql
+
+    failed = sql(f"SELECT status, error, step FROM samples WHERE run_id = '{tmp_path.name}'").to_pylist()
+    assert len(failed) >= 3 and {r["status"] for r in failed} == {"failed"} and {r["step"] for r in failed} == {0}
+    assert all(r["error"].startswith("ConnectionError: reward service unreachable while scoring") for r in failed)
 
 
 @pytest.fixture

@@ -60,3 +60,14 @@ def test_lora_run_trains_only_the_adapter_and_checkpoints_it(lora_engine, tmp_pa
     cfg = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
     assert cfg["r"] == 8
     assert 0.0 <= results["after"]["mean"] <= 1.0
+
+
+def test_a_resumed_lora_run_with_kl_keeps_the_original_policy_as_base_and_reference(lora_engine, tmp_path):
+    """The resumed trainer holds base + the checkpoint's adapter (not the merged checkpoint with the
+    adapter applied again), and its KL reference is the base policy (were it the checkpoint, the KL
+    at the first step after the resume would be ~0): it repeats the run that went on."""
+    from .test_resume import check_resume_repeats, step_metrics
+
+    whole, resumed = check_resume_repeats(lora_engine, tmp_path, *LORA, "train.lr=2e-3", "algorithm.kl_coef=0.5")
+    kl_whole, kl_resumed = step_metrics(whole, 3)["train/kl_ref"], step_metrics(resumed, 3)["train/kl_ref"]
+    assert kl_whole > 1e-6 and kl_resumed == pytest.approx(kl_whole, rel=0.05)

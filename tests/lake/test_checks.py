@@ -6,7 +6,7 @@ import pyarrow as pa
 
 from factory.lake import TrajectoryWriter, table_spec
 from factory.lake.checks import (duplicate_sample_ids, load_samples, run_checks, staleness_violations,
-                                 version_order_violations)
+                                 status_violations, version_order_violations)
 from tests.lake.rows import sample_row
 
 ETA = 2
@@ -70,7 +70,7 @@ def test_run_checks_reads_the_run_from_the_lake(catalog):
     assert load_samples("r", catalog).num_rows == 7
     results = run_checks("r", ETA, catalog)
     assert {name: r.count for name, r in results.items()} == {
-        "duplicate_sample_ids": 0, "staleness_violations": 1, "version_order_violations": 0}
+        "duplicate_sample_ids": 0, "staleness_violations": 1, "version_order_violations": 0, "status_violations": 0}
     assert results["staleness_violations"].examples[0]["sample_id"] == "late"
 
 
@@ -83,3 +83,21 @@ def test_lake_check_command_fails_on_a_violation(catalog, capsys):
     out = capsys.readouterr().out
     assert "FAIL staleness_violations" in out and '"sample_id": "late"' in out and "ok  duplicate_sample_ids" in out
     assert lake_cli(["lake", "check", "r", "--max-staleness", "3"]) == 0
+
+
+def test_every_status_is_accepted_and_inconsistent_fates_are_found():
+    fine = _clean() + [
+        sample_row("r", "f0", status="filtered", trained_step=None, trained_version=None, staleness=None),
+        sample_row("r", "e0", status="evaluation", trained_step=None, trained_version=None, staleness=None),
+        sample_row("r", "x0", status="failed", trained_step=None, trained_version=None, error="ValueError: boom"),
+        sample_row("r", "old", status=None),  # written before statuses existed: a trained sample
+    ]
+    assert status_violations(_table(fine), "r").passed
+    planted = fine + [
+        sample_row("r", "bad1", status="lost"),  # unknown status
+        sample_row("r", "bad2", trained_step=None),  # trained, but at no step
+        sample_row("r", "bad3", status="rejected"),  # rejected, yet claims a trained step
+        sample_row("r", "bad4", status="failed", trained_step=None, trained_version=None),  # no error
+    ]
+    result = status_violations(_table(planted), "r")
+    assert result.count == 4 and [e["sample_id"] for e in result.examples] == ["bad1", "bad2", "bad3", "bad4"]

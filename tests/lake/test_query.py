@@ -56,6 +56,21 @@ def test_lake_sql_command(filled, capsys):
     assert "Traceback" not in captured.err
 
 
+def test_a_wrong_table_name_lists_the_lake_tables_and_tables_shows_them(filled, capsys):
+    with pytest.raises(LakeQueryError) as err:
+        sql("SELECT count(*) FROM sample", filled)
+    message = str(err.value)
+    assert "\n" not in message and "sample" in message
+    assert "lake tables: tasks, samples, steps, evaluations, checkpoints, runs" in message
+    assert lake_cli(["lake", "tables"]) == 0
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if not line.startswith("  ")]
+    assert heads == ["tasks: 0 rows", "samples: 5 rows", "steps: 3 rows", "evaluations: 0 rows",
+                     "checkpoints: 0 rows", "runs: 0 rows"]
+    samples_columns = out.split("samples: 5 rows\n", 1)[1].split("\nsteps:", 1)[0]
+    assert "status" in samples_columns and "completion_text" in samples_columns
+
+
 def test_format_table_truncates_rows_and_cells():
     import pyarrow as pa
 
