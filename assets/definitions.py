@@ -1,7 +1,8 @@
 """The code location's entry point: `dagster dev -m assets.definitions` (or `python -m assets`).
 
-    task_dataset ─▶ base_policy ─▶ rl_run[rl_runs] ─▶ checkpoint[rl_runs] ─▶ evaluation[rl_runs]   sandbox_image[name]
-                                   + samples checks                             + sandbox_health
+    task_dataset ─▶ base_policy ─▶ rl_run[rl_runs] ─▶ checkpoint[rl_runs] ─▶ evaluation[rl_runs]
+    sandbox_image[name] ─────────▶   + samples checks
+      + sandbox_health
 
 Jobs: main_job (one recipe through the whole graph: `python -m assets materialize`), sweep_job
 (recipe × grid → rl_runs partitions), rl_run_job, evaluation_job. Sensors:

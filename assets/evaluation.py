@@ -20,11 +20,11 @@ class EvaluationConfig(dg.Config):
     n: int = Field(0, ge=0, description="tasks to evaluate; 0: the recipe's eval.heldout")
 
 
-def evaluate_checkpoint(recipe, checkpoint: Path, suite: str, n: int | None) -> dict:
-    """{mean, stderr, n, by_family} of `checkpoint` on `suite` — factory's job, called here only."""
+def evaluate_checkpoint(recipe, checkpoint: Path, suite: str, n: int | None, keep_episodes: bool = False) -> dict:
+    """{mean, stderr, n, by_family[, episodes]} of `checkpoint` on `suite` — factory's job, called here only."""
     from factory.evaluate import evaluate_checkpoint as evaluate
 
-    return evaluate(recipe, checkpoint, suite=suite, n=n)
+    return evaluate(recipe, checkpoint, suite=suite, n=n, keep_episodes=keep_episodes)
 
 
 def _digest(recipe, suite: str, n: int) -> str:

@@ -16,6 +16,7 @@ import dagster as dg
 from pydantic import Field
 
 from assets.policy import base_policy
+from assets.sandboxes import sandbox_image
 from assets.resources import LakeResource, ProgressResource, RayResource, TrackingResource
 from assets.runs import (
     CHECKPOINT_KEY, KIND_TAG, LAUNCH_REQUEST, PARENT_RUN_TAG, RL_RUN_KEY, RL_RUNS, SWEEP_RUN_TAG, calls,
@@ -74,7 +75,9 @@ def _accuracy(results: dict, key: str) -> dict:
             f"accuracy_{key}_n": evaluation["n"]}
 
 
-@dg.asset(key=RL_RUN_KEY, partitions_def=RL_RUNS, group_name="training", deps=[base_policy],
+# every sandbox image is upstream of the runs (a run's metadata names the one its environment used)
+@dg.asset(key=RL_RUN_KEY, partitions_def=RL_RUNS, group_name="training",
+          deps=[base_policy, dg.AssetDep(sandbox_image, partition_mapping=dg.AllPartitionMapping())],
           kinds={"ray", "pytorch"}, pool="trainer", op_tags={KIND_TAG: "rl_run"})
 def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeResource,
            tracking: TrackingResource, ray: RayResource, progress: ProgressResource) -> dg.MaterializeResult:
@@ -101,7 +104,8 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
             m = report.metrics
             context.log.info(f"step {report.step}/{recipe.train.steps} "
                              f"reward {m.get('rollout/reward_mean', 0):.3f} "
-                             f"{m.get('perf/samples_per_s', 0):.0f} samples/s "
+                             f"{m.get('perf/generated_samples_per_s', 0):.0f} generated / "
+                             f"{m.get('perf/trained_samples_per_s', 0):.0f} trained samples/s (last 20 steps) "
                              f"staleness max {m.get('staleness/max', 0):.0f}")
 
     sft_every = max(1, recipe.model.sft_steps // 10)
@@ -143,6 +147,11 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
     mlflow_run = tracking.find_run(recipe, key)
     if mlflow_run:
         metadata["mlflow_run_id"] = mlflow_run
+    from factory.envs.base import environment_factory
+
+    if getattr(environment_factory(recipe.environment.name), "uses_sandbox", False):
+        sandbox = recipe.environment.sandbox
+        metadata["sandbox_image"] = f"{sandbox.image} (backend {sandbox.backend})"
     last = latest_checkpoint(directory)
     if last is not None and (last / "manifest.json").is_file():  # where the final policy came from
         manifest = lineage.read_manifest(last)

@@ -16,12 +16,12 @@ class RunProgress:
         self.console = console or Console(stderr=True)
         self.train = Progress(
             TextColumn("[bold]step {task.completed:>4.0f}/{task.total:.0f}"), BarColumn(),
-            TextColumn("reward {task.fields[reward]:.3f}"), TextColumn("{task.fields[rate]:.0f} samples/s"),
+            TextColumn("reward {task.fields[reward]:.3f}"), TextColumn("{task.fields[generated]:.0f} generated / {task.fields[rate]:.0f} trained samples/s"),
             TextColumn("staleness {task.fields[stale]:.2f} (max {task.fields[stale_max]:.0f})"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
         )
-        self.bar = self.train.add_task("train", total=total_steps, completed=start, reward=0.0, rate=0.0, stale=0.0,
-                                       stale_max=0)
+        self.bar = self.train.add_task("train", total=total_steps, completed=start, reward=0.0, rate=0.0, generated=0.0,
+                                       stale=0.0, stale_max=0)
         self.sft = Progress(TextColumn("[bold]SFT warm start {task.completed:>4.0f}/{task.total:.0f}"), BarColumn(),
                             TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn(),
                             console=self.console)
@@ -43,7 +43,8 @@ class RunProgress:
         if not self.train.live.is_started:
             self.train.start()
         self.train.update(self.bar, completed=report.step, reward=m.get("rollout/reward_mean", 0.0),
-                          rate=m.get("perf/samples_per_s", 0.0), stale=m.get("staleness/mean", 0.0),
+                          rate=m.get("perf/trained_samples_per_s", m.get("perf/samples_per_s", 0.0)),
+                          generated=m.get("perf/generated_samples_per_s", 0.0), stale=m.get("staleness/mean", 0.0),
                           stale_max=m.get("staleness/max", 0))
 
     def close(self) -> None:

@@ -142,7 +142,8 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         wait_s = sync_s = fill_s = 0.0
         samples_done = 0
         window = WindowedRate()  # samples/s over the last steps: a running mean hides a slowdown
-        window.observe(0.0, trained=0, generated=0)
+        # generated counts from the buffer's total, which a resumed run restores from its checkpoint
+        window.observe(0.0, trained=0, generated=ray.get(buffer.metrics.remote())["buffer/finished_samples"])
         for step in range(version + 1, recipe.train.steps + 1):
             t0 = time.perf_counter()
             batch = get_within(buffer.get_batch.remote(), deadlines.batch_s, f"the batch of step {step}",

@@ -62,6 +62,7 @@ def observation(result: Result, limit: int = OBSERVATION_CHARS) -> str:
 
 @register_environment("tool_agent")
 class ToolAgentEnvironment:
+    uses_sandbox = True  # runs its tool calls in `environment.sandbox.image` (the Dagster graph shows it upstream)
     name = "tool_agent"
     tools = [RUN_PYTHON]
 

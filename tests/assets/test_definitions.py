@@ -26,7 +26,11 @@ def test_definitions_load_and_validate(defs):
     # lineage: data -> policy -> run -> evaluation
     assert graph.get(dg.AssetKey("evaluation")).parent_keys == {dg.AssetKey("checkpoint"), dg.AssetKey("rl_run")}
     assert graph.get(dg.AssetKey("checkpoint")).parent_keys == {dg.AssetKey("rl_run")}
-    assert graph.get(dg.AssetKey("rl_run")).parent_keys == {dg.AssetKey("base_policy")}
+    assert graph.get(dg.AssetKey("rl_run")).parent_keys == {dg.AssetKey("base_policy"), dg.AssetKey("sandbox_image")}
+    from factory.envs.base import environment_factory  # the run names the image its environment used
+
+    assert environment_factory("tool_agent").uses_sandbox and not hasattr(environment_factory("single_turn"),
+                                                                          "uses_sandbox")
 
 
 def test_rl_run_job_is_not_retried_by_dagster(defs):
