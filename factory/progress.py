@@ -16,7 +16,8 @@ class RunProgress:
         self.console = console or Console(stderr=True)
         self.train = Progress(
             TextColumn("[bold]step {task.completed:>4.0f}/{task.total:.0f}"), BarColumn(),
-            TextColumn("reward {task.fields[reward]:.3f}"), TextColumn("{task.fields[generated]:.0f} generated / {task.fields[rate]:.0f} trained samples/s"),
+            TextColumn("reward {task.fields[reward]:.3f}"),
+            TextColumn("{task.fields[generated]:.0f} generated / {task.fields[rate]:.0f} trained samples/s"),
             TextColumn("staleness {task.fields[stale]:.2f} (max {task.fields[stale_max]:.0f})"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
         )
