@@ -218,13 +218,13 @@ def cmd_evaluate(args) -> int:
 def cmd_replay(args) -> int:
     """Retrain a run from its recorded batches in the lake and compare with its checkpoint (factory/replay.py)."""
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from factory.replay import ReplayError, main_text, replay
 
     try:
-        with Progress(TextColumn("[bold]replaying step {task.completed:>4.0f}/{task.total:.0f}"), BarColumn(),
-                      TimeElapsedColumn(), console=Console(stderr=True)) as progress:
+        with Progress(TextColumn("[bold]replaying steps"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+                      console=Console(stderr=True)) as progress:
             bar = progress.add_task("replay", total=None)
             result = replay(args.run_id, checkpoint=Path(args.checkpoint) if args.checkpoint else None,
                             out_dir=Path(args.out) if args.out else None,
