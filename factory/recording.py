@@ -3,6 +3,7 @@ the recipe enables them. The loop calls one `RunRecorder` and never knows which 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,8 @@ class RunRecorder:
         self.metrics_file = open(run_dir / "metrics.jsonl", "a")
         self.samples_file = open(run_dir / "samples.jsonl", "a")
         self.staleness: list[int] = []
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder")
+        self._queued: list[concurrent.futures.Future] = []
         self.lake = None
         self.rewound: dict[str, int] = {}
         if recipe.lake.enabled:
@@ -83,7 +86,28 @@ class RunRecorder:
         if resume_from is not None and self.lake is not None:  # its row may not have been committed before the crash
             self.log_checkpoint(start, start, Path(resume_from))
 
+    # ---- sample rows: written by one background thread, in order, off the training loop ------------
+
+    def _submit(self, fn, *args) -> None:
+        """Run `fn(*args)` on the recorder's thread after everything submitted before; an error it
+        raised surfaces here (or at `drain`)."""
+        done = [f for f in self._queued if f.done()]
+        self._queued = [f for f in self._queued if not f.done()]
+        for f in done:
+            f.result()
+        self._queued.append(self._worker.submit(fn, *args))
+
+    def drain(self) -> None:
+        """Wait until every submitted sample row is written (files) and handed to the lake writer."""
+        queued, self._queued = self._queued, []
+        for f in queued:
+            f.result()
+
     def log_batch(self, batch: Batch, step: int) -> None:
+        """The samples a step trained on: samples.jsonl and the lake (on the recorder's thread)."""
+        self._submit(self._write_batch, batch, step)
+
+    def _write_batch(self, batch: Batch, step: int) -> None:
         for s in batch.samples:
             row = s.to_dict()
             row.update(trained_step=step, trained_version=batch.version, staleness=batch.version - s.oldest_version)
@@ -100,10 +124,20 @@ class RunRecorder:
         """Whether untrained samples (discarded, failed, evaluation episodes) are recorded: with the lake."""
         return self.lake is not None
 
-    def log_discarded(self, step: int, discarded: list, failed: list) -> None:
+    def log_discarded(self, step: int, discarded, failed: list | None = None) -> None:
         """Samples that will never be trained, recorded at `step` with their fate: `discarded` as the
-        buffer hands them out ((status, sample, reason)), `failed` as (group id, EpisodeFailure)."""
-        if self.lake is None or not (discarded or failed):
+        buffer hands them out ((status, sample, reason)), `failed` as (group id, EpisodeFailure); or
+        `discarded` is a Ray ObjectRef of the pair (`take_discarded.remote()`), fetched on the
+        recorder's thread."""
+        if self.lake is not None:
+            self._submit(self._write_discarded, step, discarded, failed)
+
+    def _write_discarded(self, step: int, discarded, failed: list | None) -> None:
+        if failed is None:  # an ObjectRef of (discarded, failed)
+            import ray
+
+            discarded, failed = ray.get(discarded)
+        if not (discarded or failed):
             return
         from factory.lake.writer import failed_row, sample_row
 
@@ -169,6 +203,7 @@ class RunRecorder:
     def flush(self) -> None:
         """Wait until the lake has committed every row recorded so far (before a checkpoint is saved:
         a run resumed from it re-sends nothing up to it)."""
+        self.drain()
         if self.lake is not None:
             self.lake.flush()
 
@@ -195,6 +230,11 @@ class RunRecorder:
 
     def fail(self) -> None:
         """Close what is open after a crash: committed lake rows stay, MLflow marks the run FAILED."""
+        try:
+            self.drain()
+        except Exception:  # noqa: BLE001  (the original error matters more)
+            pass
+        self._worker.shutdown()
         self.metrics_file.close()
         self.samples_file.close()
         if self.lake is not None:
@@ -209,6 +249,8 @@ class RunRecorder:
                 pass
 
     def finish(self, results: dict[str, Any], status: str = "FINISHED") -> None:
+        self.drain()
+        self._worker.shutdown()
         self.origin()
         (self.dir / "results.json").write_text(json.dumps(results, indent=2))
         self.metrics_file.close()

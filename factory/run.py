@@ -165,7 +165,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
             ray.get(buffer.set_version.remote(step))
             record.log_batch(batch, step)
             if record.keeps_all_samples:  # what this step's generation will never train: filtered, stale, failed
-                record.log_discarded(step, *ray.get(buffer.take_discarded.remote()))
+                record.log_discarded(step, buffer.take_discarded.remote())  # fetched off the loop
             samples_done += len(batch.samples)
             elapsed = time.perf_counter() - t_train
             metrics.update(ray.get(buffer.metrics.remote()))
