@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import difflib
 import hashlib
+import importlib
 import itertools
 import json
 import re
@@ -98,13 +99,32 @@ class SandboxSection(Section):
 
 
 class EnvironmentSection(Section):
-    name: str = Field("single_turn", description="a registered environment, or package.module:attr of your own")
+    name: str = Field("single_turn", description="a registered environment (factory/envs/), or package.module:attr "
+                      "of your own", examples=["single_turn", "tool_agent", "my_package.envs:MyEnvironment"])
     system_prompt: str | None = None
     workers: int = Field(1, gt=0, description="env worker actors, each hosting a gateway")
     latency: LatencySection = Field(default_factory=LatencySection)
     max_turns: int = Field(3, gt=0, description="tool_agent: model calls per episode; a tool call on the "
                            "last one ends the episode unanswered")
     sandbox: SandboxSection = Field(default_factory=SandboxSection)
+
+
+def _registry(module: str, name: str):
+    """The Registry `name` of `module`, imported on first use (this module stays import-light)."""
+    return getattr(importlib.import_module(module), name)
+
+
+def _registered(module: str, name: str) -> dict[str, Any]:
+    """Field arguments for a name from a registry: the JSON schema lists its entries (editors
+    autocomplete them); pair with `_check_registered` in a field validator."""
+    def enum(schema: dict[str, Any]) -> None:
+        schema["enum"] = _registry(module, name).names()
+
+    return {"json_schema_extra": enum}
+
+
+def _check_registered(value: str, module: str, name: str) -> str:
+    return _registry(module, name).check(value)
 
 
 def _engine_names() -> list[str]:
@@ -168,7 +188,8 @@ class RolloutSection(Section):
 class OffPolicyCorrection(Section):
     """One entry of `algorithm.corrections`: a registered correction and the knobs it reads."""
 
-    name: str = Field(description="a registered correction (tis, icepop, opsm, version_reject, length_mask)")
+    name: str = Field(description="a registered correction (factory/algo/corrections.py)",
+                      **_registered("factory.algo", "CORRECTIONS"))
     level: Literal["token", "sequence", "geometric"] = Field(
         "token", description="tis/icepop: the ratio per token, per sequence (product) or its geometric mean; "
         "version_reject: drop stale tokens or whole sequences")
@@ -181,12 +202,8 @@ class OffPolicyCorrection(Section):
 
     @field_validator("name")
     @classmethod
-    def _registered(cls, name: str) -> str:
-        from factory.algo import CORRECTIONS
-
-        if name not in CORRECTIONS:
-            raise ValueError(f"unknown {name!r}; choose one of {sorted(CORRECTIONS)}")
-        return name
+    def _known_correction(cls, name: str) -> str:
+        return _check_registered(name, "factory.algo", "CORRECTIONS")
 
     @model_validator(mode="after")
     def _reads_what_is_set(self) -> OffPolicyCorrection:
@@ -209,17 +226,27 @@ class DistillSection(Section):
 
     teacher: str | None = Field(None, description="HF model dir of the teacher (same tokenizer); unset: off")
     coef: float = Field(1.0, ge=0, description="weight of the per-token teacher-minus-student logprob advantage")
-    scorer: str = Field("teacher_logprobs", description="a registered scorer")
+    scorer: str = Field("teacher_logprobs", description="a registered scorer (factory/scoring.py)",
+                        **_registered("factory.scoring", "SCORERS"))
+
+    @field_validator("scorer")
+    @classmethod
+    def _known_scorer(cls, name: str) -> str:
+        return _check_registered(name, "factory.scoring", "SCORERS")
 
 
 class AlgorithmSection(Section):
-    advantage: str = Field("grpo", description="a registered advantage estimator")
-    loss: str = Field("ppo_clip", description="a registered policy loss")
+    advantage: str = Field("grpo", description="a registered advantage estimator (factory/algo/advantages.py)",
+                           **_registered("factory.algo", "ADVANTAGES"))
+    loss: str = Field("ppo_clip", description="a registered policy loss (factory/algo/losses.py)",
+                      **_registered("factory.algo", "POLICY_LOSSES"))
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0, description="clip-higher: upper ratio bound is 1 + clip_high")
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    aggregation: str = Field("token_mean", description="how per-token losses become one number (factory/algo/losses.py)",
+                             **_registered("factory.algo.losses", "AGGREGATIONS"))
     kl_coef: float = Field(0.0, ge=0, description="KL to a frozen reference; 0 disables it")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: str = Field("k3", description="a registered per-token KL estimator (factory/algo/kl.py)",
+                              **_registered("factory.algo", "KL_ESTIMATORS"))
     filter_zero_variance: bool = True
     distill: DistillSection = Field(default_factory=DistillSection)
     proximal: Literal["behaviour", "current", "loglinear"] = Field(
@@ -245,6 +272,14 @@ class AlgorithmSection(Section):
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty over the last N tokens before "
                                  "rollout.max_new_tokens; 0 disables it")
     overlong_penalty: float = Field(1.0, ge=0, description="reward subtracted at and beyond the length limit")
+
+    @field_validator("advantage", "loss", "aggregation", "kl_estimator")
+    @classmethod
+    def _known_entries(cls, value: str, info) -> str:
+        module, registry = {"advantage": ("factory.algo", "ADVANTAGES"), "loss": ("factory.algo", "POLICY_LOSSES"),
+                            "aggregation": ("factory.algo.losses", "AGGREGATIONS"),
+                            "kl_estimator": ("factory.algo", "KL_ESTIMATORS")}[info.field_name]
+        return _check_registered(value, module, registry)
 
     @field_validator("proximal")
     @classmethod
@@ -408,17 +443,9 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _check_registries(self) -> Recipe:
-        from factory.algo import ADVANTAGES, POLICY_LOSSES
         from factory.envs.base import environment_factory
 
-        checks = [
-            ("algorithm.advantage", self.algorithm.advantage, ADVANTAGES),
-            ("algorithm.loss", self.algorithm.loss, POLICY_LOSSES),
-        ]
-        for path, value, registry in checks:
-            if value not in registry:
-                raise ValueError(f"{path}: unknown {value!r}; choose one of {sorted(registry)}")
-        try:
+        try:  # (the algorithm's registries are checked by their fields' validators)
             environment_factory(self.environment.name)
         except ValueError as err:
             raise ValueError(f"environment.name: {err}") from None
@@ -426,7 +453,7 @@ class Recipe(Section):
 
         if self.rollout.engine not in ENGINES:
             raise ValueError(f"rollout.engine: unknown {self.rollout.engine!r}; choose one of {ENGINES.names()}")
-        problems = ENGINES.get(self.rollout.engine).problems(self.rollout, self.train.lora.enabled)
+        problems = ENGINES[self.rollout.engine].problems(self.rollout, self.train.lora.enabled)
         if problems:
             raise ValueError(problems[0])
         urls = self.rollout.urls
@@ -746,7 +773,7 @@ def machine_problems(recipe: Recipe, source: str = "<recipe>") -> list[str]:
     if not recipe.rollout.urls:  # attached engines run elsewhere
         from factory.rollout.engines import ENGINES
 
-        missing = ENGINES.get(recipe.rollout.engine).missing()
+        missing = ENGINES[recipe.rollout.engine].missing()
         if missing:
             out.append(f"{source}: rollout.engine: {recipe.rollout.engine} cannot start on this machine: {missing}")
     return out

@@ -1,19 +1,21 @@
-"""A name -> thing table for the recipe's extension points (engines, and the ones that follow).
+"""A name -> thing table for the recipe's extension points: rollout engines, policy losses,
+aggregations, advantage estimators, KL estimators, off-policy corrections, scorers, environments.
 
 A registry refuses a second entry under a taken name (a plug-in silently replacing another is a
 bug no test would see), and its unknown-name error lists what is there, so the recipe's one-line
-errors and the JSON schema's allowed values both come from the entries themselves.
+errors and the JSON schema's allowed values (`names()`) both come from the entries themselves. It
+reads like a dict (`name in R`, `R[name]`, `sorted(R)`); only `register` adds to it.
 """
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
 
 T = TypeVar("T")
 
 
-class Registry(Generic[T]):
+class Registry(Mapping[str, T]):
     def __init__(self, kind: str):
         self.kind = kind  # what an entry is, for messages: "rollout engine"
         self._entries: dict[str, T] = {}
@@ -27,10 +29,16 @@ class Registry(Generic[T]):
     def decorator(self, name: str) -> Callable[[T], T]:
         return lambda entry: self.register(name, entry)
 
-    def get(self, name: str) -> T:
+    def __getitem__(self, name: str) -> T:
         if name not in self._entries:
             raise KeyError(f"unknown {self.kind} {name!r}; choose one of {self.names()}")
         return self._entries[name]
+
+    def check(self, name: str) -> str:
+        """`name` if registered, else ValueError listing the choices (for a recipe field validator)."""
+        if name not in self._entries:
+            raise ValueError(f"unknown {self.kind} {name!r}; choose one of {self.names()}")
+        return name
 
     def names(self) -> list[str]:
         return sorted(self._entries)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Protocol
 from collections.abc import Callable
 
+from factory.registry import Registry
 from factory.types import Batch, Sample
 
 
@@ -26,13 +27,12 @@ class Scorer(Protocol):
         """Attach this scorer's per-token values to each sample in place."""
 
 
-SCORERS: dict[str, Callable[..., Scorer]] = {}
+SCORERS: Registry[Callable[..., Scorer]] = Registry("scorer")
 
 
 def register_scorer(name: str):
     def wrap(cls):
-        SCORERS[name] = cls
-        return cls
+        return SCORERS.register(name, cls)
 
     return wrap
 

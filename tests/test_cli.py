@@ -46,7 +46,7 @@ def test_a_sweep_with_a_bad_grid_value_fails_at_plan_time_in_one_line(capsys):
                  "sweep={algorithm.loss: [ppo_clip, nope]}", "--dry-run"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
-    assert "sweep point algorithm.loss='nope': algorithm.loss: unknown 'nope'" in err
+    assert "sweep point algorithm.loss='nope': algorithm.loss: unknown policy loss 'nope'" in err
 
 
 @pytest.mark.parametrize("home", [None, "moved"])

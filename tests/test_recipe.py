@@ -161,7 +161,7 @@ MALFORMED = [
     ("two_problems_two_lines", "train:\n  steps: 0\n  lr: -1\n", [],
      ["{file}: train.steps: must be > 0, got 0", "{file}: train.lr: must be > 0.0, got -1"]),
     ("unknown_loss_name", "algorithm:\n  loss: ppo\n", [],
-     [f"{{file}}: algorithm.loss: unknown 'ppo'; choose one of {LOSSES}"]),
+     [f"{{file}}: algorithm.loss: unknown policy loss 'ppo'; choose one of {LOSSES}"]),
     ("bad_engine_literal", "rollout:\n  engine: trt\n", [],
      ["{file}: rollout.engine: unknown 'trt'; choose one of ['hf', 'sglang', 'vllm']"]),
     ("section_is_not_a_mapping", "train: 5\n", [],

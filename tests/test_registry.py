@@ -14,9 +14,11 @@ def test_a_registry_refuses_a_second_entry_under_a_taken_name():
     reg.register("a", 1)
     with pytest.raises(ValueError, match="widget 'a' is registered twice"):
         reg.register("a", 2)
-    assert reg.get("a") == 1 and "a" in reg and list(reg) == ["a"]
+    assert reg["a"] == 1 and "a" in reg and list(reg) == ["a"] and reg.get("b") is None
     with pytest.raises(KeyError, match=r"unknown widget 'b'; choose one of \['a'\]"):
-        reg.get("b")
+        reg["b"]
+    with pytest.raises(ValueError, match=r"unknown widget 'b'; choose one of \['a'\]"):
+        reg.check("b")  # what a recipe field validator raises
 
 
 def test_engine_names_in_the_recipe_and_its_schema_come_from_the_registry():
@@ -54,3 +56,21 @@ def test_placement_amounts_must_be_positive_and_urls_give_the_engine_count():
         recipe_from_dict({"placement": {"engine": {"rollout": 0}}})
     r = recipe_from_dict({"rollout": {"urls": ["http://127.0.0.1:9/", "http://127.0.0.1:10"]}})
     assert r.rollout.urls == ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+
+
+def test_the_recipe_schema_lists_every_registry_so_editors_autocomplete_them():
+    from factory.algo import ADVANTAGES, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES
+    from factory.algo.losses import AGGREGATIONS
+    from factory.recipe import json_schema
+    from factory.rollout.engines import ENGINES
+    from factory.scoring import SCORERS
+
+    defs = json_schema()["$defs"]
+    algorithm = defs["AlgorithmSection"]["properties"]
+    assert algorithm["loss"]["enum"] == POLICY_LOSSES.names() and "ppo_clip" in algorithm["loss"]["enum"]
+    assert algorithm["advantage"]["enum"] == ADVANTAGES.names()
+    assert algorithm["aggregation"]["enum"] == AGGREGATIONS.names()
+    assert algorithm["kl_estimator"]["enum"] == KL_ESTIMATORS.names()
+    assert defs["OffPolicyCorrection"]["properties"]["name"]["enum"] == CORRECTIONS.names()
+    assert defs["DistillSection"]["properties"]["scorer"]["enum"] == SCORERS.names()
+    assert defs["RolloutSection"]["properties"]["engine"]["enum"] == ENGINES.names()

@@ -13,9 +13,11 @@ from collections.abc import Callable
 
 import torch
 
+from factory.registry import Registry
+
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
 
-ADVANTAGES: dict[str, AdvantageFn] = {}
+ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 BATCH_SCOPE: set[str] = set()  # estimators that normalise over the whole batch, not per group
 
 GRPO_EPS = 1e-6  # keeps the division finite for groups whose rewards barely differ
@@ -31,9 +33,7 @@ def register_advantage(name: str, scope: str = "group") -> Callable[[AdvantageFn
         raise ValueError(f"advantage scope must be 'group' or 'batch', got {scope!r}")
 
     def register(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADVANTAGES:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGES[name] = fn
+        ADVANTAGES.register(name, fn)
         if scope == "batch":
             BATCH_SCOPE.add(name)
         return fn

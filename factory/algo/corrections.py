@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from factory.registry import Registry
 from factory.algo.losses import LossContext
 from factory.types import NOT_SAMPLED
 
@@ -48,7 +49,7 @@ CorrectionFn = Callable[
     tuple[torch.Tensor, dict[str, float]],
 ]
 
-CORRECTIONS: dict[str, CorrectionFn] = {}
+CORRECTIONS: Registry[CorrectionFn] = Registry("correction")
 CORRECTION_PARAMS: dict[str, tuple[str, ...]] = {}  # the CorrectionConfig fields each one reads
 IS_CORRECTIONS: set[str] = set()  # those that look at rho = pi_prox / pi_b (trivial when prox = behaviour)
 
@@ -69,9 +70,7 @@ def register_correction(
         raise ValueError(f"correction {name!r}: unknown parameters {sorted(unknown)}")
 
     def register(fn: CorrectionFn) -> CorrectionFn:
-        if name in CORRECTIONS:
-            raise ValueError(f"correction {name!r} is already registered")
-        CORRECTIONS[name] = fn
+        CORRECTIONS.register(name, fn)
         CORRECTION_PARAMS[name] = tuple(params)
         if uses_ratio:
             IS_CORRECTIONS.add(name)

@@ -14,19 +14,18 @@ from collections.abc import Callable
 
 import torch
 
+from factory.registry import Registry
+
 KlEstimatorFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-KL_ESTIMATORS: dict[str, KlEstimatorFn] = {}
+KL_ESTIMATORS: Registry[KlEstimatorFn] = Registry("KL estimator")
 
 
 def register_kl_estimator(name: str) -> Callable[[KlEstimatorFn], KlEstimatorFn]:
     """Decorator: add a per-token KL estimator to `KL_ESTIMATORS` under `name`."""
 
     def register(fn: KlEstimatorFn) -> KlEstimatorFn:
-        if name in KL_ESTIMATORS:
-            raise ValueError(f"KL estimator {name!r} is already registered")
-        KL_ESTIMATORS[name] = fn
-        return fn
+        return KL_ESTIMATORS.register(name, fn)
 
     return register
 

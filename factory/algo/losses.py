@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from factory.registry import Registry
 from factory.algo.kl import kl_penalty
 
 
@@ -63,13 +64,12 @@ class LossContext:
 
 AggregationFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
-AGGREGATIONS: dict[str, AggregationFn] = {}
+AGGREGATIONS: Registry[AggregationFn] = Registry("aggregation")
 
 
 def _register_aggregation(name: str) -> Callable[[AggregationFn], AggregationFn]:
     def register(fn: AggregationFn) -> AggregationFn:
-        AGGREGATIONS[name] = fn
-        return fn
+        return AGGREGATIONS.register(name, fn)
 
     return register
 
@@ -131,7 +131,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_tokens
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -145,10 +145,7 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """
 
     def register(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
+        return POLICY_LOSSES.register(name, fn)
 
     return register
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from collections.abc import Callable
 
+from factory.registry import Registry
 from factory.types import Task
 
 
@@ -34,13 +35,12 @@ class Environment(Protocol):
     # start trains on; None (or no such method) trains on the prompt and the task's answer.
 
 
-ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+ENVIRONMENTS: Registry[Callable[..., Environment]] = Registry("environment")
 
 
 def register_environment(name: str):
     def wrap(factory: Callable[..., Environment]):
-        ENVIRONMENTS[name] = factory
-        return factory
+        return ENVIRONMENTS.register(name, factory)
 
     return wrap
 

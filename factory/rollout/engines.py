@@ -133,7 +133,7 @@ ENGINES.register("sglang", _sglang_kind())
 
 def make_engine(kind: str, build: EngineBuild):
     """The engine `kind` names, built for this node; a recipe problem is a one-line ValueError."""
-    spec = ENGINES.get(kind)
+    spec = ENGINES[kind]
     problems = spec.problems(build.rollout, build.lora_rank > 0)
     if problems:
         raise ValueError("; ".join(problems))

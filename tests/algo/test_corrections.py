@@ -36,7 +36,7 @@ def test_registry_and_parameters():
     assert {"tis", "icepop", "opsm", "version_reject", "length_mask"} <= set(CORRECTIONS)
     assert CORRECTION_PARAMS["tis"] == ("level", "cap")
     assert IS_CORRECTIONS >= {"tis", "icepop"} and "opsm" not in IS_CORRECTIONS
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ValueError, match="registered twice"):
         register_correction("tis")(lambda *a: None)
     with pytest.raises(ValueError, match="unknown parameters"):
         register_correction("x_bad_params", params=("nope",))

@@ -48,7 +48,7 @@ CORRECTION_NAMES = sorted(CORRECTIONS)
 
 BAD = [
     ("unknown_correction", {"corrections": [{"name": "tiss"}]},
-     [f"algorithm.corrections[0].name: unknown 'tiss'; choose one of {CORRECTION_NAMES}"]),
+     [f"algorithm.corrections[0].name: unknown correction 'tiss'; choose one of {CORRECTION_NAMES}"]),
     ("knob_the_correction_ignores", {"proximal": "current", "corrections": [{"name": "tis", "delta": 0.1}]},
      ["algorithm.corrections[0]: tis does not read delta; it takes level, cap"]),
     ("icepop_bounds", {"proximal": "current", "corrections": [{"name": "icepop", "low": 2, "high": 1}]},
