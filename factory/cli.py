@@ -193,7 +193,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_evaluate(args) -> int:
-    from factory.evaluate import evaluate_checkpoint
+    from factory.runtime.evaluation import evaluate_checkpoint
 
     from factory.progress import EvaluationProgress
 

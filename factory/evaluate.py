@@ -1,27 +1,14 @@
-"""Held-out evaluation: sampled accuracy of a policy on a task suite, with its standard error.
-
-`evaluate_workers` is what the run loop calls with its own env workers; `evaluate_checkpoint`
-stands up its own engine and env worker, so a checkpoint can be scored while training goes on
-(the Dagster evaluation asset, schedule and sensor call it).
+"""Held-out evaluation, the pure part: which tasks an evaluation scores (a seeded sample of a suite),
+their digest, and how chunked results merge. The part that drives engines and env workers (Ray
+actors) is `factory.runtime.evaluation`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import tempfile
-from pathlib import Path
-from collections.abc import Callable
-
-import ray
 
 from factory.data.tasks import ReasoningGymSource, seeded_subset
 from factory.recipe import Recipe
-from factory.runtime.actors import EngineActor, EnvWorkerActor, placed
-from factory.runtime.cluster import local_ray
-from factory.rollout.episodes import summarize
-from factory.runtime.deadlines import Deadline
-from factory.runtime.transfer import DirBundle
-from factory.runtime.weights import load_bundle
 
 SUITES = ("heldout", "train")
 
@@ -29,49 +16,6 @@ SUITES = ("heldout", "train")
 def tasks_digest(tasks) -> str:
     """12 hex digits naming the set of tasks an evaluation scored (equal digests: the same tasks)."""
     return hashlib.sha256("\n".join(sorted(t.task_id for t in tasks)).encode()).hexdigest()[:12]
-
-
-CHUNK = 32  # tasks per call: progress moves every CHUNK episodes
-IN_FLIGHT = 4  # calls per worker at once: CHUNK * IN_FLIGHT episodes in flight, as before in one call
-
-
-def evaluate_workers(workers, tasks, recipe: Recipe, tag: str,
-                     on_progress: Callable[[int, int], None] | None = None, keep_episodes: bool = False) -> dict:
-    """One episode per task, in chunks spread over `workers`; mean reward ± standard error over all of
-    them, per family, and the digest of the task set. `on_progress(done, total)` after each chunk; the
-    whole evaluation ends within `deadlines.evaluation_s`. `keep_episodes`: the result's "episodes"
-    holds each episode's Sample, in the tasks' order (for the lake)."""
-    deadline = Deadline(recipe.deadlines.evaluation_s, f"evaluation {tag} on {len(tasks)} tasks",
-                        "deadlines.evaluation_s")
-    chunks = [(i, tasks[i: i + CHUNK]) for i in range(0, len(tasks), CHUNK)]
-    rewards: dict[int, list[float]] = {}
-    episodes: dict[int, list] = {}
-    running: dict = {}  # ObjectRef -> (worker, chunk start)
-    busy = dict.fromkeys(range(len(workers)), 0)
-    while chunks or running:
-        for w in range(len(workers)):
-            while chunks and busy[w] < IN_FLIGHT:
-                start, part = chunks.pop(0)
-                ref = workers[w].episodes.remote(part, recipe.eval.temperature, recipe.rollout.max_new_tokens,
-                                                 f"{tag}-{start}", keep_episodes)
-                running[ref] = (w, start)
-                busy[w] += 1
-        ready, _ = ray.wait(list(running), num_returns=1, timeout=deadline.left())
-        if not ready:
-            raise deadline.exceeded()
-        for ref in ready:
-            w, start = running.pop(ref)
-            busy[w] -= 1
-            done = deadline.get(ref)
-            rewards[start] = [reward for reward, _ in done]
-            episodes[start] = [sample for _, sample in done]
-        if on_progress:
-            on_progress(sum(len(r) for r in rewards.values()), len(tasks))
-    ordered = [r for start in sorted(rewards) for r in rewards[start]]
-    result = {**summarize(ordered, [t.family for t in tasks]).to_dict(), "tasks_digest": tasks_digest(tasks)}
-    if keep_episodes:
-        result["episodes"] = [s for start in sorted(episodes) for s in episodes[start]]
-    return result
 
 
 def suite_tasks(recipe: Recipe, suite: str = "heldout", n: int | None = None,
@@ -87,41 +31,7 @@ def suite_tasks(recipe: Recipe, suite: str = "heldout", n: int | None = None,
     return seeded_subset(tasks, n or recipe.eval.heldout, recipe.eval.seed)
 
 
-def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "heldout", n: int | None = None,
-                        engines: list | None = None, on_phase: Callable[[str], None] | None = None,
-                        on_progress: Callable[[int, int], None] | None = None, keep_episodes: bool = False) -> dict:
-    """Score the policy saved at `checkpoint` (an HF model dir) on `suite`; `keep_episodes`: see
-    `evaluate_workers`.
-
-    Starts its own engine, or reuses started `engines` after loading the checkpoint into them
-    (disk reload; they keep those weights afterwards). `on_phase(text)` names each stage,
-    `on_progress(done, total)` counts episodes."""
-    phase = on_phase or (lambda _: None)
-    checkpoint = Path(checkpoint)
-    if not (checkpoint / "config.json").is_file():
-        raise FileNotFoundError(f"{checkpoint}: not a model directory (no config.json)")
-    phase(f"choosing {n or recipe.eval.heldout} {suite} tasks (a sample seeded by eval.seed={recipe.eval.seed})")
-    tasks = suite_tasks(recipe, suite, n)
-    with local_ray(), tempfile.TemporaryDirectory(prefix="factory-eval-") as tmp:
-        model = ray.put(DirBundle.of(checkpoint, exclude=("trainer.pt",)))  # to whichever nodes serve it
-        own = engines is None
-        if own:
-            phase(f"starting a {recipe.rollout.engine} engine on {checkpoint}")
-            engines = [placed(EngineActor, recipe.placement.engine).remote(
-                recipe.rollout.engine, model, recipe.rollout, str(Path(tmp) / "engine.log"))]
-            ray.get([e.start.remote() for e in engines])
-        else:
-            ray.get([e.begin_update.remote() for e in engines])
-            load_bundle(engines, model, "disk")
-            ray.get([e.end_update.remote(-1) for e in engines])  # -1: not a version of any run
-        worker = placed(EnvWorkerActor, recipe.placement.env_worker).remote(model, recipe.environment, recipe.rollout,
-                                                                             engines, None, recipe.failures,
-                                                                             recipe.deadlines)
-        try:
-            ray.get(worker.start.remote())
-            phase(f"evaluating on {len(tasks)} {suite} tasks")
-            return evaluate_workers([worker], tasks, recipe, f"eval-{suite}", on_progress, keep_episodes)
-        finally:
-            ray.get(worker.close.remote())
-            if own:
-                ray.get([e.stop.remote() for e in engines])
+def merge_chunks(chunks: dict[int, list]) -> list:
+    """Results of chunks keyed by their first task's index, back in task order (chunks finish in any
+    order, on any worker)."""
+    return [item for start in sorted(chunks) for item in chunks[start]]

@@ -127,16 +127,14 @@ class RunRecorder:
     def log_discarded(self, step: int, discarded, failed: list | None = None) -> None:
         """Samples that will never be trained, recorded at `step` with their fate: `discarded` as the
         buffer hands them out ((status, sample, reason)), `failed` as (group id, EpisodeFailure); or
-        `discarded` is a Ray ObjectRef of the pair (`take_discarded.remote()`), fetched on the
-        recorder's thread."""
+        `discarded` is a callable returning the pair (e.g. fetching it from the buffer actor), called on
+        the recorder's thread."""
         if self.lake is not None:
             self._submit(self._write_discarded, step, discarded, failed)
 
     def _write_discarded(self, step: int, discarded, failed: list | None) -> None:
-        if failed is None:  # an ObjectRef of (discarded, failed)
-            import ray
-
-            discarded, failed = ray.get(discarded)
+        if failed is None:  # a callable that fetches (discarded, failed)
+            discarded, failed = discarded()
         if not (discarded or failed):
             return
         from factory.lake.writer import failed_row, sample_row

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from collections.abc import Callable
 
 import ray
 
 from factory.data.tasks import ReasoningGymSource
-from factory.evaluate import evaluate_workers, suite_tasks
+from factory.evaluate import suite_tasks
 from factory.model.sft import ensure_base_policy
 from factory.recipe import Recipe
 from factory.recording import RunRecorder
@@ -30,6 +31,7 @@ from factory.runtime.actors import (
 )
 from factory.runtime.cluster import check_placement, local_ray
 from factory.runtime.deadlines import get_within
+from factory.runtime.evaluation import evaluate_workers
 from factory.runtime.transfer import DirBundle, node_ip
 from factory.runtime.weights import connect_broadcast, engine_metrics, publish_weights
 from factory.throughput import WindowedRate
@@ -165,7 +167,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
             ray.get(buffer.set_version.remote(step))
             record.log_batch(batch, step)
             if record.keeps_all_samples:  # what this step's generation will never train: filtered, stale, failed
-                record.log_discarded(step, buffer.take_discarded.remote())  # fetched off the loop
+                record.log_discarded(step, partial(ray.get, buffer.take_discarded.remote()))  # fetched off the loop
             samples_done += len(batch.samples)
             elapsed = time.perf_counter() - t_train
             metrics.update(ray.get(buffer.metrics.remote()))

@@ -57,7 +57,7 @@ class TeacherLogprobs:
     def score(self, samples: list[Sample]) -> None:
         import torch
 
-        from factory.trainer import completion_logprobs, pad_samples
+        from factory.model.logprobs import completion_logprobs, pad_samples
 
         with torch.no_grad():
             for i in range(0, len(samples), self.batch_size):
@@ -89,18 +89,3 @@ def score_batch(scorer: Scorer, batch: Batch) -> tuple[Batch, dict[str, float]]:
     scorer.score(batch.samples)
     gaps = [lp - t for s in batch.samples for lp, t, m in zip(s.logprobs, s.teacher_logprobs, s.loss_mask) if m]
     return batch, {"distill/reverse_kl": sum(gaps) / max(1, len(gaps))}
-
-
-def distillation_advantages(adv, samples: list[Sample], old_logp, mask, coef: float):
-    """[B] task advantages -> [B, T]: A_t = A_task + coef * (teacher_logp_t - behaviour_logp_t) on
-    sampled tokens (0 elsewhere). Samples without teacher scores keep their task advantage."""
-    import torch
-
-    teacher = torch.zeros_like(old_logp)
-    scored = torch.zeros(old_logp.shape[0], 1, device=old_logp.device)
-    for i, s in enumerate(samples):
-        if s.teacher_logprobs:
-            teacher[i, : len(s.teacher_logprobs)] = torch.tensor(s.teacher_logprobs, dtype=old_logp.dtype)
-            scored[i] = 1.0
-    gap = torch.where(mask > 0, teacher - old_logp, torch.zeros_like(old_logp)) * scored
-    return adv[:, None].expand_as(old_logp) + coef * gap

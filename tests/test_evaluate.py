@@ -60,3 +60,11 @@ def test_standard_error_by_hand():
     # mean 0.75; s² = (3·0.0625 + 0.5625) / 3 = 0.25; SE = sqrt(0.25 / 4) = 0.25
     assert result.mean == pytest.approx(0.75) and result.stderr == pytest.approx(0.25)
     assert result.by_family == {"a": 0.5, "b": 1.0}
+
+
+def test_chunks_merge_back_in_task_order_whatever_order_they_finished_in():
+    from factory.evaluate import merge_chunks
+
+    finished = {64: ["c", "c2"], 0: ["a", "a2"], 32: ["b"]}  # keyed by each chunk's first task index
+    assert merge_chunks(finished) == ["a", "a2", "b", "c", "c2"]
+    assert merge_chunks({}) == []

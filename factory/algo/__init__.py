@@ -4,7 +4,9 @@ corrections, KL penalties, and the per-step objective that chains them.
 No Ray, no vLLM: everything here takes and returns torch tensors and is unit-testable on CPU.
 """
 
-from factory.algo.advantages import ADVANTAGES, batch_advantages, overlong_penalty, register_advantage
+from factory.algo.advantages import (
+    ADVANTAGES, batch_advantages, distillation_advantages, overlong_penalty, register_advantage,
+)
 from factory.algo.corrections import (
     CORRECTION_PARAMS,
     CORRECTIONS,
@@ -20,6 +22,7 @@ from factory.algo.objective import ObjectiveConfig, policy_objective
 
 __all__ = [
     "ADVANTAGES",
+    "distillation_advantages",
     "CORRECTIONS",
     "CORRECTION_PARAMS",
     "IS_CORRECTIONS",

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from factory.registry import Registry
+from factory.types import Sample
 
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -142,3 +143,17 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, facto
     start = max_len - buffer_len
     ramp = (start - lengths) / buffer_len
     return factor * ramp.clamp(min=-1.0, max=0.0)
+
+
+def distillation_advantages(adv: torch.Tensor, samples: list[Sample], old_logp: torch.Tensor, mask: torch.Tensor,
+                            coef: float) -> torch.Tensor:
+    """[B] task advantages -> [B, T]: A_t = A_task + coef * (teacher_logp_t - behaviour_logp_t) on
+    sampled tokens (0 elsewhere). Samples without teacher scores keep their task advantage."""
+    teacher = torch.zeros_like(old_logp)
+    scored = torch.zeros(old_logp.shape[0], 1, device=old_logp.device)
+    for i, s in enumerate(samples):
+        if s.teacher_logprobs:
+            teacher[i, : len(s.teacher_logprobs)] = torch.tensor(s.teacher_logprobs, dtype=old_logp.dtype)
+            scored[i] = 1.0
+    gap = torch.where(mask > 0, teacher - old_logp, torch.zeros_like(old_logp)) * scored
+    return adv[:, None].expand_as(old_logp) + coef * gap

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from factory.scoring import distillation_advantages, make_scorer
+from factory.algo import distillation_advantages
+from factory.scoring import make_scorer
 from factory.types import Sample
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from factory.rollout.engine import support_from
-from factory.trainer import completion_logprobs, pad_samples
+from factory.model.logprobs import completion_logprobs, pad_samples
 from factory.types import Sample
 
 

@@ -61,7 +61,7 @@ def make_samples():
 
 
 def test_pad_samples_carries_versions_truncation_and_lengths():
-    from factory.trainer import pad_samples
+    from factory.model.logprobs import pad_samples
 
     t = pad_samples(make_samples(), pad_id=0)
     assert torch.equal(t["versions"], torch.tensor([[3, 3, 3, -1], [3, 3, 0, -1], [2, 2, -1, -1], [2, -1, 2, 2]]))

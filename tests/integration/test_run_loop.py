@@ -42,7 +42,8 @@ def test_no_trained_sample_is_older_than_eta(engine, tmp_path, eta):
 
 def test_evaluate_checkpoint_scores_a_saved_policy(engine, tmp_path):
     from factory.data.tasks import ReasoningGymSource
-    from factory.evaluate import evaluate_checkpoint, suite_tasks, tasks_digest
+    from factory.evaluate import suite_tasks, tasks_digest
+    from factory.runtime.evaluation import evaluate_checkpoint
 
     recipe = small_recipe("train.steps=2", "eval.heldout=48")
     results = run(recipe, tmp_path, engines=[engine])
