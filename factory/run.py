@@ -68,166 +68,257 @@ def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | N
 def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, resume_from, engines,
          on_sft_step) -> dict:
     t_start = time.time()
-
     phase("base policy (build + SFT warm start, cached)")
     # a resumed run starts from the base policy too and loads the checkpoint's state into the trainer: the
     # KL reference and the LoRA base stay the original policy (not the checkpoint's merged weights)
     policy = ensure_base_policy(recipe, on_sft_step)
     source = ReasoningGymSource.from_recipe(recipe.data)
     heldout = suite_tasks(recipe, "heldout", source=source)  # a seeded sample, never a prefix
+    deadlines = recipe.deadlines  # every wait below ends: batch, weight sync, trainer step, evaluation
 
     with local_ray(), killed_on_error() as created:  # a failed run leaves no actor behind, on any cluster
         phase("starting engines, trainer, buffer, env workers")
-        where = recipe.placement
-        check_placement(where, engines=recipe.rollout.num_engines if engines is None else 0,
-                        env_workers=recipe.environment.workers, scorer=bool(recipe.algorithm.distill.teacher))
-        # every role gets the policy over the network: no node may assume another's disk
-        policy_ref = ray.put(DirBundle.of(policy, "policy", exclude=("trainer.pt",)))
-        own_engines = engines is None
-        if own_engines:
-            lora_rank = recipe.train.lora.rank if recipe.train.lora.enabled else 0
-            urls = recipe.rollout.urls or [None] * recipe.rollout.num_engines
-            engines = [placed(EngineActor, where.engine).remote(recipe.rollout.engine, policy_ref, recipe.rollout,
-                                                                str(run_dir / f"engine-{i}.log"), lora_rank, url)
-                       for i, url in enumerate(urls)]
-            created.extend(engines)
-        trainer = placed(TrainerActor, where.trainer).remote(policy_ref, recipe.algorithm, recipe.train, recipe.rollout)
-        # the scoring phase: a teacher grading every trained token (on-policy distillation), if any
-        distill = recipe.algorithm.distill
-        scorer = (placed(ScorerActor, where.scorer).remote(distill, recipe.rollout,
-                                                           DirBundle.of(distill.teacher, "teacher"))
-                  if distill.teacher else None)
-        buffer = placed(BufferActor, where.buffer).remote(
-            recipe.name, source.train, recipe.train.groups_per_step, recipe.async_.max_staleness,
-            recipe.async_.max_inflight_groups, recipe.algorithm.filter_zero_variance, recipe.train.seed,
-            recipe.async_.overprovision, recipe.async_.schedule, recipe.async_.lookahead, recipe.failures,
-            record.keeps_all_samples)
-        created.extend(a for a in (trainer, scorer, buffer) if a is not None)
-        if record.keeps_all_samples:  # a failing run still records what it generated (failed groups too)
-            created.before_kill.append(lambda: record.log_discarded(
-                record.step, *ray.get(buffer.take_discarded.remote(unused=True), timeout=30)))
-        ray.get([e.start.remote() for e in engines])
-        if not own_engines:
-            ray.get([e.set_partial_rollout.remote(recipe.rollout.partial_rollout) for e in engines])
-        version = 0
-        deadlines = recipe.deadlines  # every wait below ends: batch, weight sync, trainer step, evaluation
-        if resume_from is not None:
-            state = ray.get(trainer.load_checkpoint.remote(DirBundle.of(resume_from)))
-            ray.get(buffer.load_state_dict.remote(state["buffer"]))
-            version = state["version"]
-        if recipe.rollout.weight_sync == "broadcast":
-            connect_broadcast(engines, trainer, recipe.rollout.sync_backend)
-        if version or not own_engines or recipe.rollout.urls:  # engines we did not start may hold other weights
-            publish_weights(engines, trainer, version, recipe.rollout.weight_sync, deadlines.weight_sync_s)
-            ray.get(buffer.set_version.remote(version))
-        workers = [placed(EnvWorkerActor, where.env_worker).remote(policy_ref, recipe.environment, recipe.rollout,
-                                                                   engines, buffer, recipe.failures, deadlines)
-                   for _ in range(recipe.environment.workers)]
-        created.extend(workers)
-        ray.get([w.start.remote() for w in workers])
-        nodes = {"driver": node_ip(), "trainer": ray.get(trainer.node_ip.remote()),
-                 "buffer": ray.get(buffer.node_ip.remote()),
-                 "engines": ray.get([e.node_ip.remote() for e in engines]),
-                 "env_workers": ray.get([w.node_ip.remote() for w in workers])}
-
-        results: dict = {"run_dir": str(run_dir), "recipe": recipe.name, "policy": str(policy), "nodes": nodes}
+        a = _start(recipe, run_dir, record, policy, source.train, engines, created)
+        version = _restore(a, recipe, resume_from)
+        _start_env_workers(a, recipe, created)
+        results: dict = {"run_dir": str(run_dir), "recipe": recipe.name, "policy": str(policy), "nodes": a.nodes()}
         if recipe.eval.before:
-            phase(f"evaluating the starting policy on {len(heldout)} held-out tasks")
-            results["before"] = evaluate_workers(workers, heldout, recipe, "before",
-                                                 keep_episodes=record.keeps_all_samples)
-            record.log_evaluation(version, version, "heldout", results["before"], results["before"].pop("episodes", None),
-                                  "before")
+            results["before"] = _evaluate(a, heldout, recipe, record, version, "before", phase)
 
         phase("training")
-        producing = [w.produce.remote() for w in workers]
-        t_train = time.perf_counter()
-        wait_s = sync_s = fill_s = 0.0
-        samples_done = 0
-        window = WindowedRate()  # samples/s over the last steps: a running mean hides a slowdown
-        # generated counts from the buffer's total, which a resumed run restores from its checkpoint
-        window.observe(0.0, trained=0, generated=ray.get(buffer.metrics.remote())["buffer/finished_samples"])
+        producing = [w.produce.remote() for w in a.workers]
+        clock = LoopClock(generated=ray.get(a.buffer.metrics.remote())["buffer/finished_samples"])
         for step in range(version + 1, recipe.train.steps + 1):
-            t0 = time.perf_counter()
-            batch = get_within(buffer.get_batch.remote(), deadlines.batch_s, f"the batch of step {step}",
-                               "deadlines.batch_s", lambda: _buffer_state(buffer))
-            wait_s += time.perf_counter() - t0
-            if step == version + 1:  # the pipeline fill: nothing to train on until the first batch
-                fill_s = wait_s
-            scored = {}
-            if scorer is not None:
-                t_score = time.perf_counter()
-                batch, scored = get_within(scorer.score.remote(batch), deadlines.train_step_s,
-                                           f"scoring the batch of step {step}", "deadlines.train_step_s")
-                scored["perf/score_s"] = time.perf_counter() - t_score
-            metrics = get_within(trainer.train_step.remote(batch), deadlines.train_step_s, f"trainer step {step}",
-                                 "deadlines.train_step_s")
-            metrics.update(scored)
-            sync = publish_weights(engines, trainer, step, recipe.rollout.weight_sync, deadlines.weight_sync_s)
-            sync_s += sync["weightsync/seconds"]
-            ray.get(buffer.set_version.remote(step))
-            record.log_batch(batch, step)
-            if record.keeps_all_samples:  # what this step's generation will never train: filtered, stale, failed
-                record.log_discarded(step, partial(ray.get, buffer.take_discarded.remote()))  # fetched off the loop
-            samples_done += len(batch.samples)
-            elapsed = time.perf_counter() - t_train
-            metrics.update(ray.get(buffer.metrics.remote()))
-            metrics.update(engine_metrics(engines))
-            metrics.update(sync)
-            rates = window.observe(elapsed, trained=samples_done, generated=metrics["buffer/finished_samples"])
-            metrics.update({"perf/trained_samples_per_s": rates["trained"], "perf/generated_samples_per_s":
-                            rates["generated"], "perf/trained_samples": samples_done})
-            metrics.update({"perf/samples_per_s": samples_done / elapsed,
-                            "perf/trainer_idle_fraction": wait_s / elapsed, "perf/elapsed_s": elapsed})
+            batch = clock.waiting(partial(_next_batch, a, step, deadlines))
+            batch, metrics = _score_and_train(a, batch, step, deadlines)
+            metrics.update(clock.synced(publish_weights(a.engines, a.trainer, step, recipe.rollout.weight_sync,
+                                                        deadlines.weight_sync_s)))
+            ray.get(a.buffer.set_version.remote(step))
+            _record_samples(a, record, batch, step)
+            metrics.update(_observe(a, clock, len(batch.samples)))
             record.log_step(step, metrics)
             if on_step:
                 on_step(StepReport(step, metrics))
-            every = recipe.train.checkpoint_every
-            if (every and step % every == 0) or step == recipe.train.steps:
-                # the state and the discards so far in one call: nothing slips between the two
-                state, discarded, failed = ray.get(buffer.checkpoint_state.remote())
-                record.log_discarded(step, discarded, failed)
-                extra = {"buffer": state, "step": step}
-                ckpt = run_dir / "checkpoints" / f"step-{step:06d}"
-                record.flush()  # the lake holds every row up to a checkpoint before the checkpoint exists
-                bundle = get_within(trainer.checkpoint.remote(extra), deadlines.train_step_s,
-                                    f"checkpoint of step {step}", "deadlines.train_step_s")
-                bundle.write(ckpt)  # from the trainer's node to the run dir
-                record.log_checkpoint(step, step, ckpt)
-        train_s = time.perf_counter() - t_train
+            if (recipe.train.checkpoint_every and step % recipe.train.checkpoint_every == 0) or step == recipe.train.steps:
+                _checkpoint(a, record, run_dir, step, deadlines)
+        clock.stop()
 
         phase("stopping rollouts")
-        ray.get(buffer.stop.remote())
-        ray.get([w.stop_producing.remote() for w in workers])
-        ray.get(producing)
-        if record.keeps_all_samples:  # what was still queued, and what finished while stopping
-            record.log_discarded(recipe.train.steps, *ray.get(buffer.take_discarded.remote(unused=True)))
-        results["buffer"] = ray.get(buffer.metrics.remote())  # the final counts: every group's fate
-        results["engine_requests"] = [m.get("rollout/engine_requests", 0.0)
-                                      for m in ray.get([e.metrics.remote() for e in engines])]
+        results.update(_stop(a, producing, record, recipe.train.steps))
         if recipe.eval.after:
-            phase(f"evaluating the trained policy on {len(heldout)} held-out tasks")
-            results["after"] = evaluate_workers(workers, heldout, recipe, "after", keep_episodes=record.keeps_all_samples)
-            record.log_evaluation(recipe.train.steps, recipe.train.steps, "heldout", results["after"],
-                                  results["after"].pop("episodes", None), "after")
-        ray.get([w.close.remote() for w in workers])
-        if own_engines:
-            ray.get([e.stop.remote() for e in engines])
+            results["after"] = _evaluate(a, heldout, recipe, record, recipe.train.steps, "after", phase)
+        ray.get([w.close.remote() for w in a.workers])
+        if a.own_engines:
+            ray.get([e.stop.remote() for e in a.engines])
+    return _summary(results, recipe, clock, time.time() - t_start)
 
+
+# ---- the loop's parts ---------------------------------------------------------------------------
+
+
+@dataclass
+class Actors:
+    """The run's actors. `own_engines`: started by this run (else given, and left running)."""
+
+    engines: list
+    trainer: object
+    scorer: object | None
+    buffer: object
+    workers: list
+    own_engines: bool
+    policy: object  # the base policy's DirBundle in the object store (env workers read the tokenizer from it)
+
+    def nodes(self) -> dict:
+        """Which node each role landed on."""
+        return {"driver": node_ip(), "trainer": ray.get(self.trainer.node_ip.remote()),
+                "buffer": ray.get(self.buffer.node_ip.remote()),
+                "engines": ray.get([e.node_ip.remote() for e in self.engines]),
+                "env_workers": ray.get([w.node_ip.remote() for w in self.workers])}
+
+
+def _start(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Path, train_tasks, engines, created) -> Actors:
+    """Place and start the engines, trainer, scorer and buffer (killed if the run fails: `created`)."""
+    where = recipe.placement
+    check_placement(where, engines=recipe.rollout.num_engines if engines is None else 0,
+                    env_workers=recipe.environment.workers, scorer=bool(recipe.algorithm.distill.teacher))
+    # every role gets the policy over the network: no node may assume another's disk
+    policy_ref = ray.put(DirBundle.of(policy, "policy", exclude=("trainer.pt",)))
+    own_engines = engines is None
+    if own_engines:
+        lora_rank = recipe.train.lora.rank if recipe.train.lora.enabled else 0
+        urls = recipe.rollout.urls or [None] * recipe.rollout.num_engines
+        engines = [placed(EngineActor, where.engine).remote(recipe.rollout.engine, policy_ref, recipe.rollout,
+                                                            str(run_dir / f"engine-{i}.log"), lora_rank, url)
+                   for i, url in enumerate(urls)]
+        created.extend(engines)
+    trainer = placed(TrainerActor, where.trainer).remote(policy_ref, recipe.algorithm, recipe.train, recipe.rollout)
+    # the scoring phase: a teacher grading every trained token (on-policy distillation), if any
+    distill = recipe.algorithm.distill
+    scorer = (placed(ScorerActor, where.scorer).remote(distill, recipe.rollout, DirBundle.of(distill.teacher, "teacher"))
+              if distill.teacher else None)
+    buffer = placed(BufferActor, where.buffer).remote(
+        recipe.name, train_tasks, recipe.train.groups_per_step, recipe.async_.max_staleness,
+        recipe.async_.max_inflight_groups, recipe.algorithm.filter_zero_variance, recipe.train.seed,
+        recipe.async_.overprovision, recipe.async_.schedule, recipe.async_.lookahead, recipe.failures,
+        record.keeps_all_samples)
+    created.extend(x for x in (trainer, scorer, buffer) if x is not None)
+    if record.keeps_all_samples:  # a failing run still records what it generated (failed groups too)
+        created.before_kill.append(lambda: record.log_discarded(
+            record.step, *ray.get(buffer.take_discarded.remote(unused=True), timeout=30)))
+    ray.get([e.start.remote() for e in engines])
+    if not own_engines:
+        ray.get([e.set_partial_rollout.remote(recipe.rollout.partial_rollout) for e in engines])
+    return Actors(engines, trainer, scorer, buffer, [], own_engines, policy_ref)
+
+
+def _restore(a: Actors, recipe: Recipe, resume_from: Path | None) -> int:
+    """Load the checkpoint (if resuming), connect weight sync and give the engines this run's weights;
+    returns the version training continues from."""
+    version = 0
+    if resume_from is not None:
+        state = ray.get(a.trainer.load_checkpoint.remote(DirBundle.of(resume_from)))
+        ray.get(a.buffer.load_state_dict.remote(state["buffer"]))
+        version = state["version"]
+    if recipe.rollout.weight_sync == "broadcast":
+        connect_broadcast(a.engines, a.trainer, recipe.rollout.sync_backend)
+    if version or not a.own_engines or recipe.rollout.urls:  # engines we did not start may hold other weights
+        publish_weights(a.engines, a.trainer, version, recipe.rollout.weight_sync, recipe.deadlines.weight_sync_s)
+        ray.get(a.buffer.set_version.remote(version))
+    return version
+
+
+def _start_env_workers(a: Actors, recipe: Recipe, created) -> None:
+    """The env workers, each with its gateway serving (they produce once training starts)."""
+    a.workers = [placed(EnvWorkerActor, recipe.placement.env_worker).remote(
+        a.policy, recipe.environment, recipe.rollout, a.engines, a.buffer, recipe.failures, recipe.deadlines)
+        for _ in range(recipe.environment.workers)]
+    created.extend(a.workers)
+    ray.get([w.start.remote() for w in a.workers])
+
+
+def _next_batch(a: Actors, step: int, deadlines):
+    return get_within(a.buffer.get_batch.remote(), deadlines.batch_s, f"the batch of step {step}",
+                      "deadlines.batch_s", lambda: _buffer_state(a.buffer))
+
+
+def _evaluate(a: Actors, tasks, recipe: Recipe, record: RunRecorder, step: int, tag: str, phase) -> dict:
+    """Held-out accuracy of the policy the engines serve, its episodes recorded (lake) under `tag`."""
+    phase(f"evaluating the {'starting' if tag == 'before' else 'trained'} policy on {len(tasks)} held-out tasks")
+    result = evaluate_workers(a.workers, tasks, recipe, tag, keep_episodes=record.keeps_all_samples)
+    record.log_evaluation(step, step, "heldout", result, result.pop("episodes", None), tag)
+    return result
+
+
+def _score_and_train(a: Actors, batch, step: int, deadlines) -> tuple:
+    """The scoring phase (if any) and one optimizer step: (the batch as trained, its metrics)."""
+    scored = {}
+    if a.scorer is not None:
+        t0 = time.perf_counter()
+        batch, scored = get_within(a.scorer.score.remote(batch), deadlines.train_step_s,
+                                   f"scoring the batch of step {step}", "deadlines.train_step_s")
+        scored["perf/score_s"] = time.perf_counter() - t0
+    metrics = get_within(a.trainer.train_step.remote(batch), deadlines.train_step_s, f"trainer step {step}",
+                         "deadlines.train_step_s")
+    return batch, {**metrics, **scored}
+
+
+def _record_samples(a: Actors, record: RunRecorder, batch, step: int) -> None:
+    """The batch the step trained on, and what this step's generation will never train (filtered,
+    stale, failed), fetched and written off the loop by the recorder's thread."""
+    record.log_batch(batch, step)
+    if record.keeps_all_samples:
+        record.log_discarded(step, partial(ray.get, a.buffer.take_discarded.remote()))
+
+
+def _observe(a: Actors, clock: LoopClock, trained: int) -> dict[str, float]:
+    """The buffer's and engines' metrics, and throughput per window and overall."""
+    metrics = {**ray.get(a.buffer.metrics.remote()), **engine_metrics(a.engines)}
+    metrics.update(clock.trained(trained, metrics["buffer/finished_samples"]))
+    return metrics
+
+
+def _checkpoint(a: Actors, record: RunRecorder, run_dir: Path, step: int, deadlines) -> None:
+    """Buffer state + trainer checkpoint into run_dir, once the lake holds every row before it."""
+    # the state and the discards so far in one call: nothing slips between the two
+    state, discarded, failed = ray.get(a.buffer.checkpoint_state.remote())
+    record.log_discarded(step, discarded, failed)
+    ckpt = run_dir / "checkpoints" / f"step-{step:06d}"
+    record.flush()  # the lake holds every row up to a checkpoint before the checkpoint exists
+    bundle = get_within(a.trainer.checkpoint.remote({"buffer": state, "step": step}), deadlines.train_step_s,
+                        f"checkpoint of step {step}", "deadlines.train_step_s")
+    bundle.write(ckpt)  # from the trainer's node to the run dir
+    record.log_checkpoint(step, step, ckpt)
+
+
+def _stop(a: Actors, producing: list, record: RunRecorder, last_step: int) -> dict:
+    """Stop generation; record what was never trained; the buffer's final counts and engine requests."""
+    ray.get(a.buffer.stop.remote())
+    ray.get([w.stop_producing.remote() for w in a.workers])
+    ray.get(producing)
+    if record.keeps_all_samples:  # what was still queued, and what finished while stopping
+        record.log_discarded(last_step, *ray.get(a.buffer.take_discarded.remote(unused=True)))
+    return {"buffer": ray.get(a.buffer.metrics.remote()),  # the final counts: every group's fate
+            "engine_requests": [m.get("rollout/engine_requests", 0.0)
+                                for m in ray.get([e.metrics.remote() for e in a.engines])]}
+
+
+class LoopClock:
+    """Where the loop's time goes: waiting for batches (the first wait is the pipeline fill), weight
+    sync, and samples/s per window (`WindowedRate`: a running mean hides a slowdown) and overall."""
+
+    def __init__(self, generated: float = 0.0):
+        self.t0 = time.perf_counter()
+        self.wait_s = self.sync_s = 0.0
+        self.fill_s: float | None = None
+        self.samples = 0
+        self.window = WindowedRate()
+        # generated counts from the buffer's total, which a resumed run restores from its checkpoint
+        self.window.observe(0.0, trained=0, generated=generated)
+        self.train_s = 0.0
+
+    def waiting(self, wait: Callable):
+        t0 = time.perf_counter()
+        try:
+            return wait()
+        finally:
+            self.wait_s += time.perf_counter() - t0
+            if self.fill_s is None:  # the pipeline fill: nothing to train on until the first batch
+                self.fill_s = self.wait_s
+
+    def synced(self, sync: dict[str, float]) -> dict[str, float]:
+        self.sync_s += sync["weightsync/seconds"]
+        return sync
+
+    def trained(self, samples: int, generated: float) -> dict[str, float]:
+        self.samples += samples
+        elapsed = time.perf_counter() - self.t0
+        rates = self.window.observe(elapsed, trained=self.samples, generated=generated)
+        return {"perf/trained_samples_per_s": rates["trained"], "perf/generated_samples_per_s": rates["generated"],
+                "perf/trained_samples": self.samples, "perf/samples_per_s": self.samples / elapsed,
+                "perf/trainer_idle_fraction": self.wait_s / elapsed, "perf/elapsed_s": elapsed}
+
+    def stop(self) -> None:
+        self.train_s = time.perf_counter() - self.t0
+
+
+def _summary(results: dict, recipe: Recipe, clock: LoopClock, total_s: float) -> dict:
+    """The run's results: timing, samples, and the before/after difference with its standard error."""
+    fill_s = clock.fill_s or 0.0
     results.update({
         "steps": recipe.train.steps,
         "max_staleness": recipe.async_.max_staleness,
-        "samples_trained": samples_done,
-        "train_seconds": train_s,
-        "trainer_idle_fraction": wait_s / max(train_s, 1e-9),
+        "samples_trained": clock.samples,
+        "train_seconds": clock.train_s,
+        "trainer_idle_fraction": clock.wait_s / max(clock.train_s, 1e-9),
         "first_batch_wait_seconds": fill_s,
-        "trainer_idle_fraction_after_first_batch": (wait_s - fill_s) / max(train_s - fill_s, 1e-9),
-        "weight_sync_seconds": sync_s,
-        "total_seconds": time.time() - t_start,
+        "trainer_idle_fraction_after_first_batch": (clock.wait_s - fill_s) / max(clock.train_s - fill_s, 1e-9),
+        "weight_sync_seconds": clock.sync_s,
+        "total_seconds": total_s,
     })
     if "before" in results and "after" in results:
-        b, a = results["before"], results["after"]
-        results["delta"] = a["mean"] - b["mean"]
-        results["delta_stderr"] = (a["stderr"] ** 2 + b["stderr"] ** 2) ** 0.5
+        b, after = results["before"], results["after"]
+        results["delta"] = after["mean"] - b["mean"]
+        results["delta_stderr"] = (after["stderr"] ** 2 + b["stderr"] ** 2) ** 0.5
         results["improved_beyond_2se"] = results["delta"] > 2 * results["delta_stderr"]
     return results
 
