@@ -23,6 +23,7 @@ from factory.algo import (
     aggregate,
     batch_advantages,
     distillation_advantages,
+    from_section,
     kl_penalty,
     overlong_penalty,
     policy_objective,
@@ -65,18 +66,10 @@ class Trainer:
             self.ref_model.requires_grad_(False)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
                                            weight_decay=train.weight_decay, betas=tuple(train.betas))
-        self.loss_cfg = LossConfig(
-            clip_low=algorithm.clip_low, clip_high=algorithm.clip_high,
-            aggregation=algorithm.aggregation, max_tokens=rollout.max_new_tokens,
-            behaviour_weight_cap=algorithm.behaviour_weight_cap,
-        )
-        self.objective = ObjectiveConfig(
-            loss=algorithm.loss, loss_cfg=self.loss_cfg, proximal=algorithm.proximal,
-            corrections=[(c.name, CorrectionConfig(level=c.level, cap=c.cap, low=c.low, high=c.high, delta=c.delta,
-                                                   max_staleness=c.max_staleness)) for c in algorithm.corrections],
-            max_token_staleness=algorithm.max_token_staleness, spread_action=algorithm.spread_action,
-            spread_level=algorithm.spread_level, spread_is_cap=algorithm.spread_is_cap,
-        )
+        # one source per setting: each config copies the recipe section's fields of the same names
+        self.loss_cfg = from_section(LossConfig, algorithm, max_tokens=rollout.max_new_tokens)
+        self.objective = from_section(ObjectiveConfig, algorithm, loss_cfg=self.loss_cfg, corrections=[
+            (c.name, from_section(CorrectionConfig, c)) for c in algorithm.corrections])
         self.max_new_tokens = rollout.max_new_tokens
         if algorithm.overlong_buffer > rollout.max_new_tokens:
             raise ValueError(f"algorithm.overlong_buffer ({algorithm.overlong_buffer}) must not exceed "

@@ -7,6 +7,7 @@ No Ray, no vLLM: everything here takes and returns torch tensors and is unit-tes
 from factory.algo.advantages import (
     ADVANTAGES, batch_advantages, distillation_advantages, overlong_penalty, register_advantage,
 )
+from factory.algo.config import from_section
 from factory.algo.corrections import (
     CORRECTION_PARAMS,
     CORRECTIONS,
@@ -35,6 +36,7 @@ __all__ = [
     "aggregate",
     "apply_corrections",
     "batch_advantages",
+    "from_section",
     "kl_penalty",
     "loglinear_proximal",
     "overlong_penalty",

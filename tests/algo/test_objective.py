@@ -130,3 +130,31 @@ def test_bad_names_are_errors(bad, match):
     ctx = LossContext(behaviour_logp=BEHAVIOUR)
     with pytest.raises(ValueError, match=match):
         policy_objective(CURRENT, ADV, MASK, ctx, ObjectiveConfig(**bad))
+
+
+def test_configs_take_every_field_from_the_recipe_section_by_name():
+    """One source per setting: a recipe value reaches the loss, objective and corrections with no
+    hand-kept field list (a field added to both a config and its section flows through)."""
+    import dataclasses
+
+    from factory.algo import CorrectionConfig, LossConfig, ObjectiveConfig, from_section
+    from factory.recipe import load_recipe
+    from factory.paths import REPO_ROOT
+
+    recipe = load_recipe(REPO_ROOT / "recipes" / "default.yaml", [
+        "algorithm.clip_high=0.4", "algorithm.aggregation=seq_mean_token_sum", "algorithm.behaviour_weight_cap=3.0",
+        "algorithm.proximal=loglinear", "algorithm.max_token_staleness=2",
+        "algorithm.corrections=[{name: icepop, low: 0.3, high: 3.0}]"])
+    a = recipe.algorithm
+    loss = from_section(LossConfig, a, max_tokens=8)
+    assert (loss.clip_low, loss.clip_high, loss.aggregation, loss.max_tokens, loss.behaviour_weight_cap) == (
+        0.2, 0.4, "seq_mean_token_sum", 8, 3.0)
+    (name, c), = [(c.name, from_section(CorrectionConfig, c)) for c in a.corrections]
+    assert name == "icepop" and (c.low, c.high) == (0.3, 3.0)
+    objective = from_section(ObjectiveConfig, a, loss_cfg=loss, corrections=[(name, c)])
+    assert (objective.loss, objective.proximal, objective.max_token_staleness) == ("ppo_clip", "loglinear", 2)
+    # every field of each config exists in its recipe section (else it would silently keep its default)
+    for config, section, given in ((LossConfig, a, {"max_tokens"}), (ObjectiveConfig, a, {"loss_cfg", "corrections"}),
+                                   (CorrectionConfig, a.corrections[0], set())):
+        missing = {f.name for f in dataclasses.fields(config)} - given - set(type(section).model_fields)
+        assert missing == set(), (config.__name__, missing)
