@@ -28,9 +28,9 @@ test: setup sglang-venv
 unit: setup
 	$(PY) -m pytest -q -m "not integration" tests
 
-# Lint: ruff on the library, the code location, infra and the tests (rules in pyproject.toml)
+# Lint: ruff on the library, the code location, infra, the benchmarks and the tests (rules in pyproject.toml)
 lint: setup
-	$(PY) -m ruff check factory assets infra
+	$(PY) -m ruff check factory assets infra bench tests
 
 bench: setup
 	$(PY) bench/async_speedup.py

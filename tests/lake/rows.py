@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 
 def sample_row(run_id: str, sample_id: str, step: int = 1, version: int = 3, **overrides) -> dict:
@@ -13,7 +13,7 @@ def sample_row(run_id: str, sample_id: str, step: int = 1, version: int = 3, **o
         "versions": [version - 1, -1, version, version], "loss_mask": [1, 0, 1, 1], "reward": 1.0,
         "turns": 2, "env": "arith", "finish_reason": "stop", "timings": {"generate_s": 0.25},
         "info": None, "trained_step": step, "trained_version": version, "staleness": 1,
-        "written_at": datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=timezone.utc), "status": "trained", "step": step,
+        "written_at": datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=UTC), "status": "trained", "step": step,
     }
     row.update(overrides)
     return row

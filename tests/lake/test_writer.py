@@ -114,7 +114,7 @@ def test_another_runs_keys_do_not_block_this_run(catalog):
 def test_commit_conflicts_beyond_pyicebergs_retries_are_retried(catalog, monkeypatch):
     real_append, failures = Table.append, {"left": 6}
 
-    def conflicting_append(self, df, snapshot_properties={}, branch="main"):
+    def conflicting_append(self, df, snapshot_properties={}, branch="main"):  # noqa: B006  (PyIceberg's own signature)
         if failures["left"]:
             failures["left"] -= 1
             raise CommitFailedException("Table has been updated by another process")
@@ -132,7 +132,7 @@ def test_commit_conflicts_beyond_pyicebergs_retries_are_retried(catalog, monkeyp
 def test_a_commit_that_landed_before_an_error_is_not_repeated(catalog, monkeypatch):
     real_append, calls = Table.append, []
 
-    def lost_response(self, df, snapshot_properties={}, branch="main"):
+    def lost_response(self, df, snapshot_properties={}, branch="main"):  # noqa: B006  (PyIceberg's own signature)
         calls.append(snapshot_properties)
         real_append(self, df, snapshot_properties=snapshot_properties, branch=branch)
         if len(calls) == 1:
@@ -151,7 +151,7 @@ def test_a_commit_that_landed_before_an_error_is_not_repeated(catalog, monkeypat
 def test_a_failing_catalog_surfaces_in_flush_and_keeps_rows(catalog, monkeypatch):
     real_append = Table.append
 
-    def broken(self, df, snapshot_properties={}, branch="main"):
+    def broken(self, df, snapshot_properties={}, branch="main"):  # noqa: B006  (PyIceberg's own signature)
         raise CommitFailedException("always conflicting")
 
     monkeypatch.setattr(Table, "append", broken)

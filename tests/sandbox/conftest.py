@@ -64,7 +64,7 @@ def nobody_processes() -> set[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                status = dict(l.split(":", 1) for l in (entry / "status").read_text().splitlines() if ":" in l)
+                status = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines() if ":" in line)
             except OSError:
                 continue
             if int(status["Uid"].split()[0]) == SANDBOX_UID and not status["State"].strip().startswith("Z"):

@@ -52,7 +52,8 @@ def test_uncaught_exception(sandbox):
 
 def test_state_does_not_leak_between_runs(sandbox):
     sandbox.run_sync(Program.python(
-        "import os\nfor d in ('.', '/tmp', '/dev/shm'):\n    os.makedirs(d + '/locked/in', exist_ok=True); os.chmod(d + '/locked', 0)"))
+        "import os\nfor d in ('.', '/tmp', '/dev/shm'):\n"
+        "    os.makedirs(d + '/locked/in', exist_ok=True); os.chmod(d + '/locked', 0)"))
     result = sandbox.run_sync(Program.python("import os; print(os.listdir('.'), os.listdir('/tmp'), os.listdir('/dev/shm'))"))
     assert result.stdout == "['main.py'] [] []\n", result
 
