@@ -22,7 +22,7 @@ class EvaluationConfig(dg.Config):
 
 def evaluate_checkpoint(recipe, checkpoint: Path, suite: str, n: int | None, keep_episodes: bool = False) -> dict:
     """{mean, stderr, n, by_family[, episodes]} of `checkpoint` on `suite` — factory's job, called here only."""
-    from factory.evaluate import evaluate_checkpoint as evaluate
+    from factory.runtime.evaluation import evaluate_checkpoint as evaluate
 
     return evaluate(recipe, checkpoint, suite=suite, n=n, keep_episodes=keep_episodes)
 
