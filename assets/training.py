@@ -122,11 +122,16 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
     lineage.set_context(dagster_run_id=context.run_id, sweep_run_id=context.run.tags.get(SWEEP_RUN_TAG),
                         parent_run_id=context.run.tags.get(PARENT_RUN_TAG),
                         mlflow_parent_run_id=planned.get("mlflow_parent_run_id"))
+    from factory.failures import EnvironmentFailure
+
     with exclusive(directory), ray.session(), progress.bars(recipe.train.steps) as bars:
-        results = run(recipe, directory, resume_from=resume,
-                      on_step=calls(log_step, bars and bars.on_step),
-                      on_phase=calls(context.log.info, bars and bars.on_phase),
-                      on_sft_step=calls(log_sft_step, bars and bars.on_sft_step))
+        try:
+            results = run(recipe, directory, resume_from=resume,
+                          on_step=calls(log_step, bars and bars.on_step),
+                          on_phase=calls(context.log.info, bars and bars.on_phase),
+                          on_sft_step=calls(log_sft_step, bars and bars.on_sft_step))
+        except EnvironmentFailure as err:  # the environment needs a fix: relaunching would fail the same way
+            raise user_error(str(err)) from err
 
     metadata = {
         "run_dir": dg.MetadataValue.path(str(directory)),

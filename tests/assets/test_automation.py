@@ -129,3 +129,18 @@ def test_evaluation_sensor_and_schedule_request_the_new_checkpoint(defs, instanc
     scheduled = sensor(defs, "evaluation_schedule")(dg.build_schedule_context(instance=instance))
     for result in (tick, scheduled):
         assert [r.partition_key for r in result] == ["a"]
+
+
+def test_a_run_failed_by_its_environment_is_not_relaunched(defs, instance, monkeypatch):
+    """An environment failing past the recipe's `failures` limits needs a fix, not a restart."""
+    import factory.run
+    from factory.failures import EnvironmentFailure
+
+    def broken_environment(*args, **kwargs):
+        raise EnvironmentFailure("environment 'broken': 3 of 3 groups failed, 3 in a row (failures.max_in_a_row=3)")
+
+    monkeypatch.setattr(factory.run, "run", broken_environment)
+    save_recipe("r4", ["lake.enabled=false", "tracking.enabled=false"])
+    skip = on_failure(defs, instance, failed_run(defs, instance, "r4"))
+    assert isinstance(skip, dg.SkipReason)
+    assert "the failure needs a fix: environment 'broken': 3 of 3 groups failed" in skip.skip_message
