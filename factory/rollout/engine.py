@@ -55,6 +55,7 @@ def support_from(candidates: list[tuple[int, float]], k: int) -> list[int]:
 
 class RolloutEngine(Protocol):
     version: int
+    partial: str  # what an update does to in-flight requests: one of its EngineKind's partial_rollouts
 
     async def start(self) -> None: ...
     async def stop(self) -> None: ...

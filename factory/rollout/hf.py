@@ -20,6 +20,7 @@ class HFEngine:
         self.model_path = model_path
         self.threads = threads
         self.version = 0
+        self.partial = "wait"  # an update waits for in-flight requests (the only mode it has)
         self.gate = AdmissionGate()
         self.model = None
         self._lock = threading.Lock()

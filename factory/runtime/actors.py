@@ -104,8 +104,11 @@ class EngineActor(Placed):
                  url: str | None = None):
         from factory.rollout.engines import EngineBuild, make_engine
 
+        from factory.rollout.engines import ENGINES
+
         path = local_dir(model, "rollout engine model") if url is None else str(getattr(model, "name", model))
         self.engine = make_engine(kind, EngineBuild(path, rollout, _log_path(log_path), lora_rank, url))
+        self.kind = ENGINES[kind]  # what it can do (partial-rollout modes, sync modes, LoRA, attach)
         self.scratch = cache_dir() / "sync" / f"engine-{os.getpid()}"
 
     async def start(self) -> None:
@@ -122,10 +125,10 @@ class EngineActor(Placed):
 
     async def set_partial_rollout(self, mode: str) -> None:
         """Switch what happens to in-flight requests at an update (a shared engine serves many runs)."""
-        if mode != getattr(self.engine, "partial", "wait"):
-            if not hasattr(self.engine, "partial"):
-                raise ValueError(f"rollout.partial_rollout={mode} needs rollout.engine=vllm")
-            self.engine.partial = mode
+        if mode not in self.kind.partial_rollouts:
+            raise ValueError(f"rollout.partial_rollout={mode}: rollout.engine={self.kind.name} supports "
+                             f"{', '.join(self.kind.partial_rollouts)}")
+        self.engine.partial = mode
 
     async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str,
                              backend: str = "gloo") -> None:
