@@ -174,7 +174,8 @@ class RolloutSection(Section):
     seed: int | None = Field(
         None, description="set: each request's sampling seed derives from it, the episode's session id and turn, "
         "so generation repeats (e.g. a resumed run at η = 0; SGLang honours it only with deterministic "
-        "inference). Unset: the engine draws")
+        "inference; vLLM sends seeded prompts through the batch route Factory's servers add). Unset: the "
+        "engine draws")
 
     @field_validator("urls")
     @classmethod

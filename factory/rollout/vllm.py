@@ -183,8 +183,10 @@ class VLLMEngine:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Generation:
         """Queue one prompt; prompts with equal sampling parameters that arrive within
         `coalesce_ms` travel to the server as one multi-prompt request (see `_flush`)."""
+        # seeded requests (rollout.seed) coalesce too: each keeps its own seed through the batch route
+        seed_key = "per-request" if sampling.seed is not None and self.partial == "wait" else sampling.seed
         key = (sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
-               tuple(sampling.stop_token_ids), sampling.seed, sampling.min_new_tokens, sampling.support_k)
+               tuple(sampling.stop_token_ids), seed_key, sampling.min_new_tokens, sampling.support_k)
         future = asyncio.get_running_loop().create_future()
         pending = self._pending.setdefault(key, [])
         pending.append((prompt_ids, request_id, future, sampling))
@@ -211,6 +213,9 @@ class VLLMEngine:
         if self.partial == "inflight":
             return await self._flush_versioned(batch)
         max_new_tokens, temperature, top_p, top_k, stop_ids, seed, min_new_tokens, support_k = key
+        if seed == "per-request":  # /v1/completions takes one seed for all prompts; the batch route one each
+            async with self.gate:  # as below: an update waits for these to drain, so one version sampled them
+                return await self._flush_versioned(batch, version=self.version)
         body = {
             "model": self.model, "prompt": [p for p, *_ in batch], "max_tokens": max_new_tokens,
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "logprobs": 0,
@@ -286,11 +291,13 @@ class VLLMEngine:
             future.set_result(Generation(list(ids) + tail.token_ids, list(lps) + tail.logprobs, versions,
                                          tail.finish_reason, len(prompt_ids), joined))
 
-    async def _flush_versioned(self, batch) -> None:
-        """Inflight mode: the prompts through `/factory/v1/generate_batch`, each a separate engine
-        request whose output tokens the server labels with the weight version that sampled them, so
-        a request that lives through updates is recorded exactly. No gate: at an update the server
-        itself holds running requests (pause with KV kept) and queues new ones until /resume."""
+    async def _flush_versioned(self, batch, version: int | None = None) -> None:
+        """The prompts through `/factory/v1/generate_batch`, each a separate engine request with its own
+        sampling parameters (seed included) whose output tokens the server labels with the weight
+        version that sampled them. Inflight mode calls it without the gate, so a request can live
+        through updates (the server holds running requests, pause with KV kept, and queues new ones
+        until /resume); seeded requests in wait mode call it inside the gate with the `version` that
+        holds throughout (the server's own labels are only kept current in inflight mode)."""
         self._batches += 1
         requests = []
         for prompt_ids, request_id, _, sampling in batch:
@@ -321,10 +328,12 @@ class VLLMEngine:
             if "error" in choice:
                 future.set_exception(RuntimeError(f"vLLM token endpoint: {choice['error']}"))
                 continue
-            future.set_result(self._versioned_generation(choice, len(prompt_ids), sampling.support_k))
+            future.set_result(self._versioned_generation(choice, len(prompt_ids), sampling.support_k, version))
 
-    def _versioned_generation(self, choice: dict, prompt_len: int, support_k: int) -> Generation:
-        """A token-endpoint choice as a Generation, versions from its `weight_versions` spans."""
+    def _versioned_generation(self, choice: dict, prompt_len: int, support_k: int,
+                              version: int | None = None) -> Generation:
+        """A token-endpoint choice as a Generation, versions from its `weight_versions` spans (or all
+        `version`, when the caller held the gate)."""
         ids = choice.get("token_ids") or []
         content = (choice.get("logprobs") or {}).get("content") or []
         lps = [float(c["logprob"]) for c in content]
@@ -332,7 +341,8 @@ class VLLMEngine:
         if support_k:
             support = [support_from([(t["token_id"], t["logprob"]) for t in c.get("top_logprobs") or []], support_k)
                        for c in content]
-        versions = spans_to_versions(choice.get("weight_versions"), len(ids), self.version)
+        versions = ([version] * len(ids) if version is not None
+                    else spans_to_versions(choice.get("weight_versions"), len(ids), self.version))
         if len(set(versions)) > 1:
             self.stats["mixed_version"] += 1
         self.stats["requests"] += 1
