@@ -71,5 +71,5 @@ def test_a_bad_grid_fails_with_the_field_named(defs, instance):
     result = run_sweep(defs, instance, recipe=str(SWEEP_RECIPE), grid=["algorithm.loss=ppo_clip,no_such_loss"])
     assert not result.success
     message = result.get_step_failure_events()[0].step_failure_data.user_failure_data.description
-    assert "algorithm.loss: unknown 'no_such_loss'" in message
+    assert "algorithm.loss: unknown policy loss 'no_such_loss'" in message
     assert instance.get_dynamic_partitions(RL_RUNS.name) == []
