@@ -156,11 +156,8 @@ def _start(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Path, tra
     distill = recipe.algorithm.distill
     scorer = (placed(ScorerActor, where.scorer).remote(distill, recipe.rollout, DirBundle.of(distill.teacher, "teacher"))
               if distill.teacher else None)
-    buffer = placed(BufferActor, where.buffer).remote(
-        recipe.name, train_tasks, recipe.train.groups_per_step, recipe.async_.max_staleness,
-        recipe.async_.max_inflight_groups, recipe.algorithm.filter_zero_variance, recipe.train.seed,
-        recipe.async_.overprovision, recipe.async_.schedule, recipe.async_.lookahead, recipe.failures,
-        record.keeps_all_samples)
+    buffer = placed(BufferActor, where.buffer).remote(recipe.name, train_tasks, recipe.async_, recipe.train,
+                                                      recipe.algorithm, recipe.failures, record.keeps_all_samples)
     created.extend(x for x in (trainer, scorer, buffer) if x is not None)
     if record.keeps_all_samples:  # a failing run still records what it generated (failed groups too)
         created.before_kill.append(lambda: record.log_discarded(

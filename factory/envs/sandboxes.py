@@ -6,20 +6,19 @@ from __future__ import annotations
 import asyncio
 import weakref
 
+from factory.recipe import SandboxSection
 from factory.sandbox import Limits, Program, Result, SandboxPool, make_sandbox
 
 
 class EnvSandbox:
     """A lazily made sandbox with one bounded pool per event loop (a pool's semaphore belongs to the
     loop that first waits on it; tests run episodes under several loops). Without a section it uses
-    the defaults: `auto` backend, the `python` image, 8 programs at once."""
+    the recipe's defaults (`SandboxSection()`)."""
 
-    def __init__(self, section=None):
-        self.backend = getattr(section, "backend", "auto")
-        self.image = getattr(section, "image", "python")
-        self.concurrency = getattr(section, "concurrency", 8)
-        self.limits = Limits(wall_s=getattr(section, "wall_s", 10.0), memory_mb=getattr(section, "memory_mb", 256),
-                             pids=16, output_bytes=64 * 1024)
+    def __init__(self, section: SandboxSection | None = None):
+        section = section or SandboxSection()
+        self.backend, self.image, self.concurrency = section.backend, section.image, section.concurrency
+        self.limits = Limits(wall_s=section.wall_s, memory_mb=section.memory_mb, pids=16, output_bytes=64 * 1024)
         self._sandbox = None
         self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

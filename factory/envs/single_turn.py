@@ -10,6 +10,7 @@ from typing import Any
 
 from factory.envs.base import EpisodeResult, register_environment
 from factory.envs.sandboxes import EnvSandbox
+from factory.recipe import EnvironmentSection
 from factory.rewards import score_answer
 from factory.types import Task
 
@@ -18,15 +19,12 @@ from factory.types import Task
 class SingleTurnEnvironment:
     name = "single_turn"
 
-    def __init__(self, section=None):
-        self.system_prompt = getattr(section, "system_prompt", None)
-        latency = getattr(section, "latency", None)
-        self.fast_s = getattr(latency, "fast_s", 0.0)
-        self.slow_s = getattr(latency, "slow_s", 0.0)
-        self.slow_fraction = getattr(latency, "slow_fraction", 0.0)
-        self.per_task = getattr(latency, "per_task", False)
+    def __init__(self, section: EnvironmentSection | None = None):
+        section = section or EnvironmentSection()  # the recipe's defaults: none of its own
+        self.system_prompt = section.system_prompt
+        self.latency = section.latency
         self._rng = random.Random(0)
-        self.sandbox = EnvSandbox(getattr(section, "sandbox", None))  # made on first code task
+        self.sandbox = EnvSandbox(section.sandbox)  # made on first code task
 
     def prompt_messages(self, task: Task) -> list[dict]:
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
@@ -35,8 +33,9 @@ class SingleTurnEnvironment:
     async def _simulated_latency(self, task: Task) -> float:
         """Heavy-tailed think/tool time for benchmarks: most episodes fast, a few much slower — by a
         coin flip per episode, or (`per_task`) for a fixed share of the tasks."""
-        draw = (zlib.crc32(task.task_id.encode()) % 10_000) / 10_000 if self.per_task else self._rng.random()
-        delay = self.slow_s if draw < self.slow_fraction else self.fast_s
+        lat = self.latency
+        draw = (zlib.crc32(task.task_id.encode()) % 10_000) / 10_000 if lat.per_task else self._rng.random()
+        delay = lat.slow_s if draw < lat.slow_fraction else lat.fast_s
         if delay > 0:
             await asyncio.sleep(delay)
         return delay

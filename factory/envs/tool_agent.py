@@ -21,6 +21,7 @@ from typing import Any
 
 from factory.envs.base import EpisodeResult, register_environment
 from factory.envs.sandboxes import EnvSandbox
+from factory.recipe import EnvironmentSection
 from factory.rewards import score_answer
 from factory.sandbox import Program, Result
 from factory.types import Task
@@ -66,10 +67,11 @@ class ToolAgentEnvironment:
     name = "tool_agent"
     tools = [RUN_PYTHON]
 
-    def __init__(self, section=None):
-        self.system_prompt = getattr(section, "system_prompt", None) or DEFAULT_SYSTEM_PROMPT
-        self.max_turns = getattr(section, "max_turns", 3)
-        self.sandbox = EnvSandbox(getattr(section, "sandbox", None))
+    def __init__(self, section: EnvironmentSection | None = None):
+        section = section or EnvironmentSection()  # the recipe's defaults: none of its own
+        self.system_prompt = section.system_prompt or DEFAULT_SYSTEM_PROMPT
+        self.max_turns = section.max_turns
+        self.sandbox = EnvSandbox(section.sandbox)
 
     def prompt_messages(self, task: Task) -> list[dict]:
         return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task.question}]

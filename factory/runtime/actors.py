@@ -14,13 +14,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from factory.paths import cache_dir
 from factory.runtime.transfer import DirBundle, local_dir, node_ip
 from factory.types import Batch, Group, Task
+
+if TYPE_CHECKING:
+    from factory.recipe import AlgorithmSection, AsyncSection, FailuresSection, TrainSection
 
 
 def placed(actor_class, resources: dict[str, float] | None = None, **options):
@@ -181,29 +184,27 @@ class RemoteEngine:
 class BufferActor(Placed):
     """The staleness gate plus the task sampler: hands out admission tickets and batches."""
 
-    def __init__(self, run_id: str, tasks: list[Task], groups_per_step: int, max_staleness: int,
-                 max_inflight: int, filter_zero_variance: bool, seed: int, overprovision: int = 0,
-                 schedule: str = "fifo", lookahead: int = 16, failures=None, keep_discarded: bool = False):
+    def __init__(self, run_id: str, tasks: list[Task], async_: AsyncSection, train: TrainSection,
+                 algorithm: AlgorithmSection, failures: FailuresSection, keep_discarded: bool = False):
         from factory.buffer import StalenessBuffer
         from factory.data.tasks import TaskSampler
         from factory.failures import FailureGate
-        from factory.recipe import FailuresSection
         from factory.scheduling import DurationPredictor, LongestFirst
 
         self.run_id = run_id
-        self.buffer = StalenessBuffer(groups_per_step, max_staleness, max_inflight, filter_zero_variance,
-                                      overprovision, keep_discarded)
+        self.buffer = StalenessBuffer(train.groups_per_step, async_.max_staleness, async_.max_inflight_groups,
+                                      algorithm.filter_zero_variance, async_.overprovision, keep_discarded)
         self.failed_groups: list[tuple[str, Any]] = []  # (group id, EpisodeFailure) until take_discarded
-        self.sampler = TaskSampler(tasks, seed)
+        self.sampler = TaskSampler(tasks, train.seed)
         self.tasks_by_id = {t.task_id: t for t in tasks}
         self.predictor = DurationPredictor()
-        self.scheduler = LongestFirst(self.sampler.next, self.predictor, lookahead) if schedule == "longest_first" else None
+        self.scheduler = (LongestFirst(self.sampler.next, self.predictor, async_.lookahead)
+                          if async_.schedule == "longest_first" else None)
         self.next_group = 0
         self.inflight: dict[str, Task] = {}  # started, not finished: group id -> task (in start order)
         self.restart: collections.deque[tuple[str, Task]] = collections.deque()  # a resumed run's in-flight groups
         self.changed = asyncio.Condition()
         self.stopped = False
-        failures = failures or FailuresSection()
         self.gate = FailureGate(failures.max_in_a_row, failures.max_share, failures.min_groups)
 
     async def _notify(self) -> None:
