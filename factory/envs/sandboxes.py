@@ -7,7 +7,7 @@ import asyncio
 import weakref
 
 from factory.recipe import SandboxSection
-from factory.sandbox import Limits, Program, Result, SandboxPool, make_sandbox
+from factory.sandbox import Limits, Program, Result, Sandbox, SandboxPool, make_sandbox
 
 
 class EnvSandbox:
@@ -19,7 +19,7 @@ class EnvSandbox:
         section = section or SandboxSection()
         self.backend, self.image, self.concurrency = section.backend, section.image, section.concurrency
         self.limits = Limits(wall_s=section.wall_s, memory_mb=section.memory_mb, pids=16, output_bytes=64 * 1024)
-        self._sandbox = None
+        self._sandbox: Sandbox | None = None
         self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     async def pool(self) -> SandboxPool:

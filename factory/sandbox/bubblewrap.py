@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -73,7 +74,7 @@ class BubblewrapSandbox(Sandbox):
         self.cgroup_version, self.cgroup_problem = cgroups.detect()
         version = subprocess.run([self.bwrap, "--version"], capture_output=True, text=True).stdout
         found = re.search(r"(\d+)\.(\d+)", version)
-        self._has_size = bool(found) and (int(found[1]), int(found[2])) >= (0, 8)  # --size, --disable-userns
+        self._has_size = found is not None and (int(found[1]), int(found[2])) >= (0, 8)  # --size, --disable-userns
         self._scratch = scratch_root()
         self._fs_args = self._filesystem_args()
 
@@ -198,7 +199,7 @@ class BubblewrapSandbox(Sandbox):
         return Result(exit_code=exit_code, stdout=stdout, stderr=stderr, reason=reason, wall_s=wall, cpu_s=cpu,
                       truncated=cut_out or cut_err, backend=self.name)
 
-    async def _wait(self, pid: int, started: float, limits: Limits, group) -> tuple[bool, bool, object]:
+    async def _wait(self, pid: int, started: float, limits: Limits, group) -> tuple[bool, bool, resource.struct_rusage]:
         """Wait for the launcher to exit, killing the sandbox at the wall deadline or past the CPU
         budget; reaps it. Returns (timed out, CPU budget exceeded, rusage)."""
         timed_out = cpu_exceeded = False
@@ -212,7 +213,8 @@ class BubblewrapSandbox(Sandbox):
                     timed_out = True
                     break
                 await asyncio.wait([exited], timeout=min(remaining, _POLL_S) if watch_cpu else remaining)
-                if watch_cpu and not exited.done() and (group.cpu_seconds() or 0) >= limits.cpu_s:
+                if (limits.cpu_s is not None and group is not None and not exited.done()
+                        and (group.cpu_seconds() or 0) >= limits.cpu_s):
                     cpu_exceeded = True
                     break
             if not exited.done():

@@ -194,7 +194,7 @@ class Cgroup:
         return _keyed(_read(path / "pids.events"), "max") if path else 0
 
     # -- killing -------------------------------------------------------------------------------
-    def kill_all(self, spare: set[int] = frozenset()) -> None:
+    def kill_all(self, spare: frozenset[int] | set[int] = frozenset()) -> None:
         """SIGKILL every process in the group but `spare`, with the group frozen so none can fork
         in between (v2 `cgroup.kill` when nothing is spared)."""
         if self.version == "v2" and not spare and _write(self.dirs[""] / "cgroup.kill", "1"):
@@ -210,5 +210,5 @@ class Cgroup:
                     except ProcessLookupError:
                         pass
         finally:
-            if frozen:
+            if frozen and freezer is not None:
                 _write(freezer, "0" if self.version == "v2" else "THAWED")

@@ -32,12 +32,16 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from factory.sandbox.base import (
     SANDBOX_ENV, SANDBOX_UID, WORKDIR, Limits, Program, Result, Sandbox, SandboxUnavailable, decide_reason,
     fresh_workdir, read_capped, safe_relpath, scratch_root, write_files,
 )
 from factory.sandbox.cgroups import Cgroup
+
+if TYPE_CHECKING:
+    from docker.models.containers import Container
 
 LABEL = "factory.sandbox"
 IO_DIR = "/io"
@@ -79,7 +83,7 @@ class _ContainerGone(Exception):
 class _Worker:
     """One warm container and its host directory."""
 
-    container: object
+    container: Container
     host: Path
     key: tuple
     cgroup: Cgroup | None
@@ -340,7 +344,8 @@ class DockerSandbox(Sandbox):
                     timed_out = True
                     break
                 await asyncio.wait([done], timeout=min(remaining, _POLL_S) if watch_cpu else remaining)
-                if watch_cpu and not done.done() and (group.cpu_seconds() or 0) - cpu0 >= limits.cpu_s:
+                if (group is not None and cpu0 is not None and limits.cpu_s is not None and not done.done()
+                        and (group.cpu_seconds() or 0) - cpu0 >= limits.cpu_s):
                     cpu_exceeded = True
                     break
             if not done.done():

@@ -122,6 +122,7 @@ def build_rootfs(spec: ImageSpec, force: bool = False, log: Callable[[str], None
     log(f"debootstrap {spec.suite} ({spec.variant}) + {', '.join(spec.packages)} from {spec.mirror}")
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None  # stdout=PIPE
     tail: list[str] = []
     phases: set[str] = set()
     for line in proc.stdout:
@@ -196,6 +197,7 @@ def import_image(spec: ImageSpec, rootfs: Path, log: Callable[[str], None] = _st
     ]
     log(f"docker import {rootfs} -> {spec.tag}")
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", "-", "."], stdout=subprocess.PIPE)
+    assert tar.stdout is not None  # stdout=PIPE
     args = [_docker_cli(), "import"] + [a for c in changes for a in ("--change", c)] + ["-", spec.tag]
     result = subprocess.run(args, stdin=tar.stdout, capture_output=True, text=True)
     tar.stdout.close()
