@@ -55,7 +55,7 @@ def trained_batches(run_id: str, catalog, namespace: str = NAMESPACE) -> dict[in
     if table.current_snapshot() is None:
         return {}
     columns = (*_SAMPLE_COLUMNS, "trained_step", "trained_version", "batch_position", "status")
-    rows = table.scan(row_filter=EqualTo("run_id", run_id), selected_fields=columns).to_arrow().to_pylist()
+    rows = table.scan(row_filter=EqualTo(term="run_id", value=run_id), selected_fields=columns).to_arrow().to_pylist()
     by_step: dict[int, list[dict]] = {}
     for row in rows:
         if row["trained_step"] is not None and row["status"] in (None, "trained"):
@@ -83,7 +83,8 @@ def recorded_recipe(run_id: str, catalog, namespace: str = NAMESPACE):
 
     table = catalog.load_table((namespace, "runs"))
     rows = [] if table.current_snapshot() is None else table.scan(
-        row_filter=EqualTo("run_id", run_id), selected_fields=("start_step", "recipe_yaml", "base_policy_fingerprint"),
+        row_filter=EqualTo(term="run_id", value=run_id),
+        selected_fields=("start_step", "recipe_yaml", "base_policy_fingerprint"),
     ).to_arrow().to_pylist()
     if not rows:
         raise ReplayError(f"run {run_id!r}: not in the lake's runs table (was lake.enabled on? `factory runs list` "
@@ -100,7 +101,8 @@ def expected_samples(run_id: str, catalog, namespace: str = NAMESPACE) -> dict[i
     table = catalog.load_table((namespace, "steps"))
     if table.current_snapshot() is None:
         return {}
-    rows = table.scan(row_filter=EqualTo("run_id", run_id), selected_fields=("step", "metrics")).to_arrow().to_pylist()
+    rows = table.scan(row_filter=EqualTo(term="run_id", value=run_id),
+                      selected_fields=("step", "metrics")).to_arrow().to_pylist()
     return {r["step"]: int(dict(r["metrics"]).get("train/samples", -1)) for r in rows}
 
 
@@ -110,7 +112,7 @@ def final_checkpoint(run_id: str, step: int, catalog, namespace: str = NAMESPACE
     table = catalog.load_table((namespace, "checkpoints"))
     if table.current_snapshot() is None:
         return None
-    rows = table.scan(row_filter=And(EqualTo("run_id", run_id), EqualTo("step", step)),
+    rows = table.scan(row_filter=And(EqualTo(term="run_id", value=run_id), EqualTo(term="step", value=step)),
                       selected_fields=("path",)).to_arrow().to_pylist()
     paths = [Path(r["path"]) for r in rows if r["path"] and Path(r["path"]).is_dir()]
     return paths[0] if paths else None

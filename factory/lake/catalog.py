@@ -84,8 +84,8 @@ def evolve(table: Table, spec: TableSpec) -> Table:
     have = {f.name for f in table.schema().fields}
     missing = [f for f in spec.schema.fields if f.name not in have]
     partitioned = {table.schema().find_column_name(f.source_id) for f in table.spec().fields}
-    unpartitioned = [spec.schema.find_column_name(f.source_id) for f in spec.partition_spec.fields
-                     if spec.schema.find_column_name(f.source_id) not in partitioned]
+    unpartitioned = [name for f in spec.partition_spec.fields
+                     if (name := spec.schema.find_column_name(f.source_id)) is not None and name not in partitioned]
     try:
         if missing:
             with table.update_schema() as update:

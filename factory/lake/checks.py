@@ -41,7 +41,7 @@ def load_samples(run_id: str, catalog: Catalog | None = None, namespace: str = N
     table = catalog.load_table((namespace, "samples"))
     if table.current_snapshot() is None:
         return table.schema().select(*CHECK_COLUMNS).as_arrow().empty_table()
-    return table.scan(row_filter=EqualTo("run_id", run_id), selected_fields=CHECK_COLUMNS).to_arrow()
+    return table.scan(row_filter=EqualTo(term="run_id", value=run_id), selected_fields=CHECK_COLUMNS).to_arrow()
 
 
 def _query(samples: pa.Table, run_id: str | None, body: str, params: list[Any], limit: int) -> tuple[int, list]:

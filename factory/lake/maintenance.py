@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, ValidationException
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression, EqualTo
+from pyiceberg.manifest import ManifestFile
 from pyiceberg.table import Table
 
 from factory.lake.schemas import NAMESPACE, TABLES
@@ -109,7 +110,7 @@ def compact(table: Table, run_id: str | None = None, retries: int = 5) -> Compac
 def _partitions_to_compact(table: Table, run_id: str | None) -> list[BooleanExpression]:
     partitioned = "run_id" in {f.name for f in table.spec().fields}
     if run_id is not None:
-        return [EqualTo("run_id", run_id)]
+        return [EqualTo(term="run_id", value=run_id)]
     if not partitioned or table.current_snapshot() is None:
         return [AlwaysTrue()]
     files_per_run: dict[str, int] = {}
@@ -117,13 +118,13 @@ def _partitions_to_compact(table: Table, run_id: str | None) -> list[BooleanExpr
     for task in table.scan().plan_files():
         run = task.file.partition[position]
         files_per_run[run] = files_per_run.get(run, 0) + 1
-    return [EqualTo("run_id", run) for run, n in sorted(files_per_run.items()) if n > 1]
+    return [EqualTo(term="run_id", value=run) for run, n in sorted(files_per_run.items()) if n > 1]
 
 
 def referenced_files(table: Table) -> set[str]:
     """Every file some snapshot of `table` can reach: metadata, manifest lists, manifests, data."""
     refs = {table.metadata_location, *(entry.metadata_file for entry in table.metadata.metadata_log)}
-    manifests: dict[str, object] = {}
+    manifests: dict[str, ManifestFile] = {}
     for snapshot in table.metadata.snapshots:
         refs.add(snapshot.manifest_list)
         for manifest in snapshot.manifests(table.io):

@@ -83,8 +83,9 @@ def find_evaluation(run_id: str, step: int, suite: str, catalog: Catalog | None 
     table = catalog.load_table((namespace, "evaluations"))
     if table.current_snapshot() is None:
         return None
-    found = table.scan(row_filter=And(EqualTo("run_id", run_id), EqualTo("step", step), EqualTo("suite", suite)),
-                       limit=1).to_arrow().to_pylist()
+    row_filter = And(EqualTo(term="run_id", value=run_id), EqualTo(term="step", value=step),
+                     EqualTo(term="suite", value=suite))
+    found = table.scan(row_filter=row_filter, limit=1).to_arrow().to_pylist()
     return found[0] if found else None
 
 

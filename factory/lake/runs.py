@@ -43,8 +43,7 @@ def run_summary(run_id: str, catalog, namespace: str) -> dict[str, Any]:
                         f"ORDER BY step, suite", catalog, namespace)
     checkpoints = _rows(f"SELECT step, version, path FROM checkpoints WHERE run_id = {rid} ORDER BY step",
                         catalog, namespace)
-    rates = [_metric(s["metrics"], THROUGHPUT) for s in steps]
-    rates = [r for r in rates if r is not None]
+    rates = [r for r in (_metric(s["metrics"], THROUGHPUT) for s in steps) if r is not None]
     return {"run_id": run_id, "attempts": attempts, "steps": len(steps), "evaluations": evaluations,
             "checkpoints": checkpoints, "samples_per_s_median": statistics.median(rates) if rates else None,
             "recipe": yaml.safe_load(attempts[-1]["recipe_yaml"]) if attempts and attempts[-1]["recipe_yaml"] else None}

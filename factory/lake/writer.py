@@ -186,7 +186,7 @@ class TrajectoryWriter:
                 return int(value)
         if table.current_snapshot() is None:
             return None
-        data = table.scan(row_filter=EqualTo("run_id", run_id), selected_fields=(spec.position,)).to_arrow()
+        data = table.scan(row_filter=EqualTo(term="run_id", value=run_id), selected_fields=(spec.position,)).to_arrow()
         return None if data.num_rows == 0 else pc.max(data[spec.position]).as_py()
 
     def snapshot_ids(self, tables: tuple[str, ...] = ("samples", "steps")) -> dict[str, int | None]:
@@ -213,7 +213,7 @@ class TrajectoryWriter:
         for spec in TABLES.values():
             if spec.position is None or not spec.run_scoped:
                 continue
-            beyond = And(EqualTo("run_id", run_id), GreaterThan(spec.position, position))
+            beyond = And(EqualTo(term="run_id", value=run_id), GreaterThan(term=spec.position, value=position))
             for attempt in range(self.max_retries + 1):
                 table = self.catalog.load_table((self.namespace, spec.name))  # not the commit thread's copy
                 if table.current_snapshot() is None:
@@ -389,7 +389,8 @@ def committed_keys(table: Table, spec: TableSpec, value: str | None) -> set[tupl
     """The key tuples already in `table` (only the partition `spec.scope = value` when given)."""
     if table.current_snapshot() is None:
         return set()
-    row_filter = EqualTo(spec.scope, value) if spec.scope is not None and value is not None else AlwaysTrue()
+    row_filter = (EqualTo(term=spec.scope, value=value) if spec.scope is not None and value is not None
+                  else AlwaysTrue())
     data = table.scan(row_filter=row_filter, selected_fields=spec.key).to_arrow()
     columns = [data[c].to_pylist() for c in spec.key]
     return set(zip(*columns))
@@ -427,6 +428,8 @@ def sample_row(sample: Sample, run_id: str, status: str, step: int, *, trained_v
     """The `samples` row of one generated sample whose fate is `status` (`schemas.SAMPLE_STATUSES`),
     recorded at optimizer step `step`. Trained rows carry `trained_version` and their staleness."""
     trained = status == "trained"
+    if trained and trained_version is None:
+        raise ValueError(f"sample {sample.sample_id}: a trained row needs its trained_version")
     return {
         "run_id": run_id, "sample_id": sample_id or sample.sample_id, "group_id": sample.group_id,
         "task_id": sample.task_id, "prompt_ids": sample.prompt_ids, "completion_ids": sample.completion_ids,
@@ -434,7 +437,7 @@ def sample_row(sample: Sample, run_id: str, status: str, step: int, *, trained_v
         "reward": sample.reward, "turns": sample.turns, "env": sample.env,
         "finish_reason": sample.finish_reason, "timings": sample.timings, "info": {**sample.info, **(info or {})} or None,
         "trained_step": step if trained else None, "trained_version": trained_version if trained else None,
-        "staleness": trained_version - sample.oldest_version if trained else None,
+        "staleness": trained_version - sample.oldest_version if trained and trained_version is not None else None,
         "status": status, "step": step, "prompt_text": sample.prompt_text or None,
         "completion_text": sample.completion_text or None, "support": sample.support or None,
         "teacher_logprobs": sample.teacher_logprobs or None, "batch_position": batch_position,
