@@ -5,7 +5,7 @@ samples/s, staleness), as rich bars on stderr. Used by `factory run` and by the 
 from __future__ import annotations
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
 class RunProgress:
@@ -26,7 +26,7 @@ class RunProgress:
         self.sft = Progress(TextColumn("[bold]SFT warm start {task.completed:>4.0f}/{task.total:.0f}"), BarColumn(),
                             TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn(),
                             console=self.console)
-        self.sft_bar = None
+        self.sft_bar: TaskID | None = None
 
     def on_phase(self, text: str) -> None:
         self.console.print(f"[cyan]»[/cyan] {text}")
@@ -68,7 +68,7 @@ class EvaluationProgress:
         self.bar = Progress(TextColumn("[bold]evaluating {task.completed:>5.0f}/{task.total:.0f} episodes"), BarColumn(),
                             TextColumn("{task.fields[rate]:.1f} episodes/s"),
                             TimeElapsedColumn(), TimeRemainingColumn(), console=self.console)
-        self.task = None
+        self.task: TaskID | None = None
         self.t0 = 0.0
 
     def on_phase(self, text: str) -> None:

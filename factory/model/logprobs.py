@@ -11,9 +11,9 @@ import torch
 from factory.types import NOT_SAMPLED, Sample
 
 
-def pad_samples(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
+def pad_samples(samples: list[Sample], pad_id: int) -> dict[str, Any]:
     """Right-padded [B, L] inputs plus completion-aligned [B, T] behaviour logprobs, mask and
-    versions (NOT_SAMPLED at padding), [B] truncation flags and [B] sampled-token counts."""
+    versions (NOT_SAMPLED at padding), [B] truncation flags and [B] sampled-token counts; `t_max`: T, an int."""
     width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     t_max = max(len(s.completion_ids) for s in samples)
     n = len(samples)

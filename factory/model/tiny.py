@@ -79,7 +79,7 @@ def build_model(tokenizer, section, out_dir: Path):
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids(END),
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
-        torch_dtype="float32",
+        dtype="float32",
     )
     model = LlamaForCausalLM(config)
     model.save_pretrained(out_dir)
