@@ -16,11 +16,13 @@ import itertools
 import json
 import re
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 
 class RecipeError(ValueError):
@@ -127,10 +129,10 @@ def _check_registered(value: str, module: str, name: str) -> str:
     return _registry(module, name).check(value)
 
 
-def _engine_names() -> list[str]:
+def _engine_names() -> list[JsonValue]:
     from factory.rollout.engines import ENGINES
 
-    return ENGINES.names()
+    return list(ENGINES.names())
 
 
 class RolloutSection(Section):
@@ -529,7 +531,7 @@ def _fields_of_parent(loc: tuple[Any, ...]) -> list[str]:
     return [f.alias or n for n, f in model.model_fields.items()]
 
 
-def _plain_message(e: dict[str, Any]) -> str:
+def _plain_message(e: ErrorDetails) -> str:
     """Pydantic's error in plain words: what is expected and what was written."""
     kind, ctx, got = e["type"], e.get("ctx", {}), _show(e.get("input"))
     if kind == "extra_forbidden":
@@ -672,7 +674,7 @@ def set_dotted(data: dict[str, Any], path: str, value: Any) -> None:
     node[last] = value
 
 
-def recipe_from_dict(data: Any, source: str = "<recipe>", overrides: list[str] = ()) -> Recipe:
+def recipe_from_dict(data: Any, source: str = "<recipe>", overrides: Sequence[str] = ()) -> Recipe:
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -697,7 +699,7 @@ def recipe_from_dict(data: Any, source: str = "<recipe>", overrides: list[str] =
     return recipe
 
 
-def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read, patch and validate a recipe file. Raises RecipeError with one line per problem."""
     p = Path(path)
     if not p.is_file():
@@ -727,7 +729,8 @@ def expand_sweep(recipe: Recipe, source: str = "<recipe>") -> list[tuple[dict[st
     base = recipe.dump()
     base["sweep"] = {}
     keys = list(recipe.sweep)
-    out, problems = [], {}
+    out: list[tuple[dict[str, Any], Recipe]] = []
+    problems: dict[str, str] = {}  # problem (without the point) -> its first line
     for values in itertools.product(*(recipe.sweep[k] for k in keys)):
         point = dict(zip(keys, values))
         where = f"{source}: sweep point {', '.join(f'{k}={_show(v)}' for k, v in point.items())}"
