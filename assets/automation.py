@@ -21,7 +21,8 @@ def last_evaluated_checkpoint(instance: dg.DagsterInstance, key: str) -> str | N
         dg.AssetRecordsFilter(asset_key=EVALUATION_KEY, asset_partitions=[key]), limit=1).records
     if not records:
         return None
-    checkpoint = records[0].asset_materialization.metadata.get("checkpoint")
+    materialization = records[0].asset_materialization
+    checkpoint = materialization.metadata.get("checkpoint") if materialization is not None else None
     return None if checkpoint is None else str(checkpoint.value)
 
 
@@ -72,10 +73,10 @@ def build_checkpoint_sensor(job, interval_s: int = 60) -> dg.SensorDefinition:
 def user_error_of(instance: dg.DagsterInstance, run_id: str) -> str | None:
     """The message of a step failure in the run marked not retryable (a user error), if any."""
     for record in instance.all_logs(run_id, of_type=dg.DagsterEventType.STEP_FAILURE):
-        data = record.dagster_event.step_failure_data
+        data = record.dagster_event.step_failure_data if record.dagster_event else None
         failure = data.user_failure_data if data is not None else None
         flag = failure.metadata.get(RETRYABLE) if failure is not None else None
-        if flag is not None and flag.value is False:
+        if failure is not None and flag is not None and flag.value is False:
             return failure.description or "user error"
     return None
 

@@ -62,7 +62,7 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake
         if recipe.lake.enabled else None
     # e.g. the run's own after-training evaluation; a row without a digest scored another subset (a prefix)
     reused = earlier is not None and earlier["n"] == n and earlier.get("tasks_digest") == _digest(recipe, config.suite, n)
-    if reused:
+    if earlier is not None and reused:
         context.log.info(f"{key} step {step}: already evaluated on {n} {config.suite} tasks; read from the lake")
         result = {"mean": earlier["mean"], "stderr": earlier["stderr"], "n": earlier["n"],
                   "by_family": json.loads(earlier["by_family"] or "{}"), "tasks_digest": earlier["tasks_digest"]}

@@ -28,7 +28,7 @@ def run_worker_pid(instance: dg.DagsterInstance, run_id: str) -> int | None:
         data = record.dagster_event.engine_event_data if record.dagster_event else None
         value = data.metadata.get("pid") if data is not None and data.metadata else None
         if value is not None and (record.message or "").startswith(RUN_PROCESS_EVENTS):
-            pid = int(value.value)
+            pid = int(str(value.value))  # Dagster reports it as text
     return pid
 
 

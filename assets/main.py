@@ -20,7 +20,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.runs import DEFAULT_RECIPE, RL_RUNS, SAVED_RECIPE, recipe_path, run_dir, safe_name
+from assets.runs import DEFAULT_RECIPE, RL_RUNS_NAME, SAVED_RECIPE, recipe_path, run_dir, safe_name
 from factory.recipe import Recipe, RecipeError, load_recipe
 
 
@@ -30,7 +30,7 @@ def live_definitions() -> dg.Definitions:
     from assets.resources import ProgressResource
 
     return dg.Definitions(assets=defs.assets, asset_checks=defs.asset_checks, jobs=defs.jobs,
-                          resources={**defs.resources, "progress": ProgressResource(live=True)},
+                          resources={**(defs.resources or {}), "progress": ProgressResource(live=True)},
                           executor=defs.executor)
 
 
@@ -71,7 +71,7 @@ def materialize(recipe_file: str, overrides: list[str]) -> int:
           f"task_dataset → base_policy → rl_run[{key}] → evaluation[{key}]", file=sys.stderr)
 
     with dg.DagsterInstance.get() as instance:
-        instance.add_dynamic_partitions(RL_RUNS.name, [key])
+        instance.add_dynamic_partitions(RL_RUNS_NAME, [key])
         job = live_definitions().resolve_job_def("main_job")
         result = job.execute_in_process(run_config=main_run_config(saved), instance=instance, partition_key=key,
                                         raise_on_error=False)

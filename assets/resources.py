@@ -25,11 +25,11 @@ if TYPE_CHECKING:
 class LakeResource(dg.ConfigurableResource):
     """The Iceberg trajectory lake. Empty catalog fields: the profile's catalog."""
 
-    catalog_type: str = Field("", description="PyIceberg catalog type (sql, rest, glue, hive); empty: embedded")
-    catalog_uri: str = Field("", description="catalog URI, e.g. http://iceberg-rest:8181")
-    warehouse: str = Field("", description="warehouse location, e.g. s3://bucket/lake")
-    properties: dict[str, str] = Field({}, description="further PyIceberg catalog properties")
-    namespace: str = Field("", description="table namespace; empty: the recipe's lake.namespace")
+    catalog_type: str = Field(default="", description="PyIceberg catalog type (sql, rest, glue, hive); empty: embedded")
+    catalog_uri: str = Field(default="", description="catalog URI, e.g. http://iceberg-rest:8181")
+    warehouse: str = Field(default="", description="warehouse location, e.g. s3://bucket/lake")
+    properties: dict[str, str] = Field(default={}, description="further PyIceberg catalog properties")
+    namespace: str = Field(default="", description="table namespace; empty: the recipe's lake.namespace")
 
     def catalog_props(self) -> dict[str, str]:
         """Catalog properties for `factory.lake.open_catalog` ({} means the embedded default)."""
@@ -68,7 +68,7 @@ class LakeResource(dg.ConfigurableResource):
 class TrackingResource(dg.ConfigurableResource):
     """MLflow. Empty uri: the recipe's tracking.uri, else the profile's (a server, or SQLite under the state dir)."""
 
-    uri: str = Field("", description="MLflow tracking URI, e.g. http://mlflow:5000")
+    uri: str = Field(default="", description="MLflow tracking URI, e.g. http://mlflow:5000")
 
     def configure(self, recipe: Recipe) -> Recipe:
         recipe = recipe.model_copy(deep=True)
@@ -91,7 +91,7 @@ class TrackingResource(dg.ConfigurableResource):
 class RayResource(dg.ConfigurableResource):
     """Where runs get their Ray. Empty address: the profile's (embedded: a local Ray per run on 127.0.0.1)."""
 
-    address: str = Field("", description="a Ray cluster (head:6379 or auto); empty: the profile's")
+    address: str = Field(default="", description="a Ray cluster (head:6379 or auto); empty: the profile's")
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -114,7 +114,7 @@ class ProgressResource(dg.ConfigurableResource):
     """How runs report progress: always to the Dagster event log; with `live`, also as rich bars on
     the terminal of the process executing them (`python -m assets materialize` sets it)."""
 
-    live: bool = Field(False, description="draw live progress bars on this process's terminal")
+    live: bool = Field(default=False, description="draw live progress bars on this process's terminal")
 
     @contextlib.contextmanager
     def bars(self, total_steps: int) -> Iterator[RunProgress | None]:

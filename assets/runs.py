@@ -10,6 +10,7 @@ One partition of `rl_runs` is one RL run. Its key names the run directory
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import dagster as dg
@@ -19,7 +20,8 @@ from factory.paths import REPO_ROOT, runs_dir
 from factory.recipe import Recipe, RecipeError, load_recipe
 from factory.recording import checkpoints, latest_checkpoint  # noqa: F401  (assets import them from here)
 
-RL_RUNS = dg.DynamicPartitionsDefinition(name="rl_runs")
+RL_RUNS_NAME = "rl_runs"
+RL_RUNS = dg.DynamicPartitionsDefinition(name=RL_RUNS_NAME)
 RL_RUN_KEY = dg.AssetKey("rl_run")
 EVALUATION_KEY = dg.AssetKey("evaluation")
 CHECKPOINT_KEY = dg.AssetKey("checkpoint")  # reported by rl_run, one materialization per checkpoint written
@@ -81,7 +83,7 @@ def recipe_path(text: str) -> Path:
     return REPO_ROOT / path
 
 
-def load_recipe_or_fail(path: str | Path, overrides: list[str] = ()) -> Recipe:
+def load_recipe_or_fail(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     try:
         return load_recipe(recipe_path(str(path)), list(overrides))
     except RecipeError as err:
@@ -105,7 +107,7 @@ def is_finished(directory: Path) -> bool:
     return (directory / "results.json").is_file()
 
 
-def rl_run_config(recipe: str | Path = "", overrides: list[str] = (), resume_from: str | Path = "") -> dict:
+def rl_run_config(recipe: str | Path = "", overrides: Sequence[str] = (), resume_from: str | Path = "") -> dict:
     """Run config for a materialization of `rl_run` (the shape `RLRunConfig` takes)."""
     config = {"recipe": str(recipe), "overrides": list(overrides), "resume_from": str(resume_from or "")}
     return {"ops": {"rl_run": {"config": config}}}

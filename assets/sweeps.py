@@ -17,7 +17,7 @@ import yaml
 from pydantic import Field
 
 from assets.runs import (
-    ATTEMPT_TAG, DEFAULT_RECIPE, KIND_TAG, LAUNCH_REQUEST, RL_RUN_KEY, RL_RUNS, SAVED_RECIPE, SWEEP_RUN_TAG,
+    ATTEMPT_TAG, DEFAULT_RECIPE, KIND_TAG, LAUNCH_REQUEST, RL_RUN_KEY, RL_RUNS_NAME, SAVED_RECIPE, SWEEP_RUN_TAG,
     is_finished, load_recipe_or_fail, partition_key, rl_run_config, run_dir, runs_in_progress, user_error,
 )
 from factory.recipe import RecipeError, expand_sweep, parse_override
@@ -97,7 +97,7 @@ def plan_sweep(context: dg.OpExecutionContext, config: SweepConfig) -> list[str]
             status = "requested"
         keys.append(key)
         lines.append(f"| {key} | {json.dumps(point, default=str)} | {status} |")
-    context.instance.add_dynamic_partitions(RL_RUNS.name, keys)
+    context.instance.add_dynamic_partitions(RL_RUNS_NAME, keys)
     context.log.info(f"sweep of {len(keys)} run(s): {', '.join(keys)}")
     context.add_output_metadata({
         "runs": len(keys),
@@ -121,7 +121,7 @@ def build_launch_sensor(job, interval_s: int = 10) -> dg.SensorDefinition:
     def rl_run_launcher(context: dg.SensorEvaluationContext):
         running = runs_in_progress(context.instance, RL_RUN_KEY)
         requests = []
-        for key in context.instance.get_dynamic_partitions(RL_RUNS.name):
+        for key in context.instance.get_dynamic_partitions(RL_RUNS_NAME):
             try:
                 directory = run_dir(key)
             except dg.Failure:
