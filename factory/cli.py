@@ -256,6 +256,7 @@ def cmd_serve(args) -> int:
         server.start(timeout_s=args.startup_timeout)
         print(f"serving {args.model} at {server.url} (log: {server.log_path}); "
               f"attach with: rollout.urls=[{server.url}]", flush=True)
+        assert server.proc is not None  # start() launched it
         server.proc.wait()
         return _fail(f"the vLLM server exited with code {server.proc.returncode}; see {server.log_path}", 1)
     except EngineStartError as err:

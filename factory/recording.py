@@ -79,9 +79,9 @@ class RunRecorder:
             tags = {"factory.resumed_from_step": str(start)} if resume_from is not None else {}
             if lineage.context().get("mlflow_parent_run_id"):  # a sweep's child run
                 tags["mlflow.parentRunId"] = lineage.context()["mlflow_parent_run_id"]
-            self.tracker.start(self.run_id, params=recipe.dump(), tags=tags, resume_run_id=resume)
+            mlflow_run_id = self.tracker.start(self.run_id, params=recipe.dump(), tags=tags, resume_run_id=resume)
             # MLflow 3's UI opens an experiment without this tag on its GenAI (traces) view; ours hold training runs
-            experiment = self.tracker.client.get_run(self.tracker.run_id).info.experiment_id
+            experiment = self.tracker.client.get_run(mlflow_run_id).info.experiment_id
             self.tracker.client.set_experiment_tag(experiment, EXPERIMENT_KIND_TAG, "custom_model_development")
         if resume_from is not None and self.lake is not None:  # its row may not have been committed before the crash
             self.log_checkpoint(start, start, Path(resume_from))
@@ -137,6 +137,7 @@ class RunRecorder:
             discarded, failed = discarded()
         if not (discarded or failed):
             return
+        assert self.lake is not None  # log_discarded submits this only with a lake
         from factory.lake.writer import failed_row, sample_row
 
         rows = [sample_row(sample, self.run_id, status, step, info={"reason": reason})

@@ -88,6 +88,8 @@ class ServerProcess:
         reaper.wait(timeout=30)  # it forks its watcher and exits at once
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} server: wait_ready() before launch()")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
