@@ -46,8 +46,10 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -98,7 +100,7 @@ class SGLangServer(ServerProcess):
     def __init__(self, model: str, *, dtype: str = "bfloat16", max_model_len: int = 256,
                  kv_cache_gb: float = 2, threads: int = 1, log_path: Path | None = None,
                  port: int | None = None, host: str = "127.0.0.1", device: str = "cpu",
-                 python: str | None = None, extra_args: list[str] = ()):
+                 python: str | None = None, extra_args: Sequence[str] = ()):
         if not (Path(model) / "config.json").is_file():
             raise EngineStartError(f"SGLang: no model at {model} on this node (no config.json)")
         if device not in ("cpu", "cuda"):
@@ -241,7 +243,7 @@ class SGLangEngine:
 
     @staticmethod
     def _params(sp: SamplingParams) -> dict:
-        params = {"max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+        params: dict[str, Any] = {"max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
                   "skip_special_tokens": False}
         if sp.top_k > 0:
             params["top_k"] = sp.top_k

@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,7 +50,7 @@ class VLLMServer(ServerProcess):
 
     def __init__(self, model: str, *, dtype: str = "bfloat16", max_model_len: int = 256,
                  kv_cache_gb: int = 2, threads: int = 1, log_path: Path | None = None,
-                 port: int | None = None, extra_args: list[str] = (), host: str = "127.0.0.1",
+                 port: int | None = None, extra_args: Sequence[str] = (), host: str = "127.0.0.1",
                  device: str = "cpu"):
         if not (Path(model) / "config.json").is_file():
             raise EngineStartError(f"vLLM: no model at {model} on this node (no config.json); a model must be "
@@ -128,7 +129,7 @@ class VLLMEngine:
                  kv_cache_gb: int = 2, threads: int = 1, log_path: Path | None = None,
                  startup_timeout_s: float = 300.0, server: VLLMServer | AttachedServer | None = None,
                  coalesce_ms: float = 5.0, max_batch: int = 256, partial_rollout: str = "wait",
-                 extra_args: list[str] = (), host: str = "127.0.0.1", device: str = "auto"):
+                 extra_args: Sequence[str] = (), host: str = "127.0.0.1", device: str = "auto"):
         if partial_rollout not in ("wait", "abort_resume", "inflight"):
             raise ValueError(f"rollout.partial_rollout: unknown mode {partial_rollout!r}; "
                              "choose wait, abort_resume or inflight")
