@@ -42,8 +42,9 @@ class EpisodeRunner:
     def client_for(self, session_id: str):
         from openai import AsyncOpenAI
 
-        return AsyncOpenAI(base_url=f"http://gateway/s/{session_id}/v1", api_key="factory", http_client=self.http,
-                           max_retries=0)
+        # openai takes an httpx (not only httpx2) client at runtime; its annotation names httpx2's only
+        return AsyncOpenAI(base_url=f"http://gateway/s/{session_id}/v1", api_key="factory",
+                           http_client=self.http, max_retries=0)  # type: ignore[arg-type]
 
     async def episode(self, session_id: str, task: Task, sampling: dict | None = None):
         t0 = time.perf_counter()
@@ -75,10 +76,12 @@ class EpisodeRunner:
             return sample
 
         outcomes = await asyncio.gather(*(one(i) for i in range(self.group_size)), return_exceptions=True)
+        samples: list[Sample] = []
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
-        return Group(group_id=group_id, task=task, samples=list(outcomes))
+            samples.append(outcome)
+        return Group(group_id=group_id, task=task, samples=samples)
 
     async def evaluate(self, tasks: list[Task], sampling: dict, concurrency: int = 128, tag: str = "eval") -> EvalResult:
         """Mean reward of one episode per task (the held-out accuracy) and its standard error."""

@@ -28,8 +28,9 @@ import re
 import time
 import uuid
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Imported at module level on purpose: with postponed annotations FastAPI resolves the `Request`
 # annotation of the endpoint from this module's globals; imported inside app() it would be
@@ -40,6 +41,9 @@ from fastapi.responses import JSONResponse
 from factory.model.tokens import encode_chat, encode_continuation
 from factory.rollout.engine import Generation, SamplingParams
 from factory.types import NOT_SAMPLED, Sample
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
 class GatewayError(ValueError):
@@ -64,7 +68,7 @@ class SessionRecord:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
-    def extend(self, ids: list[int], *, sampled: bool, logprobs: list[float] = (), versions: list[int] = (),
+    def extend(self, ids: list[int], *, sampled: bool, logprobs: Sequence[float] = (), versions: Sequence[int] = (),
                support: list[list[int]] | None = None):
         if support is not None or self.support:  # once recorded, every token gets an entry ([] = unknown)
             self.support += [[] for _ in range(len(self.completion_ids) - len(self.support))]
@@ -163,7 +167,7 @@ class Gateway:
         self.sessions: dict[str, SessionRecord] = {}
         self.end_id = tokenizer.eos_token_id
         self.stats = {"requests": 0, "sampled_tokens": 0, "prompt_tokens_new": 0}
-        self._server = None
+        self._server: uvicorn.Server | None = None
         self.port: int | None = None
 
     # ---- token accounting (pure, unit-tested) ------------------------------------------------
