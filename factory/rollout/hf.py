@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from factory.rollout.engine import AdmissionGate, Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from factory.weightsync import WeightReceiver
 
 
 class HFEngine:
@@ -22,10 +26,10 @@ class HFEngine:
         self.version = 0
         self.partial = "wait"  # an update waits for in-flight requests (the only mode it has)
         self.gate = AdmissionGate()
-        self.model = None
+        self.model: torch.nn.Module | None = None
         self._lock = threading.Lock()
         self._aborted: set[str] = set()
-        self._receiver = None
+        self._receiver: WeightReceiver | None = None
         self.stats = {"requests": 0, "tokens": 0, "updates": 0}
 
     async def start(self) -> None:
@@ -37,14 +41,20 @@ class HFEngine:
     async def stop(self) -> None:
         self.model = None
 
+    def _loaded(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError(f"HF engine ({self.model_path}): not started")
+        return self.model
+
     def _generate_sync(self, prompt_ids: list[int], sp: SamplingParams, request_id: str):
         """(ids, logprobs, finish reason, per-token candidate sets or None) for one prompt."""
         gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
         ids, lps = [], []
-        support = [] if sp.support_k else None
+        support: list[list[int]] | None = [] if sp.support_k else None
         finish = "length"
         with self._lock, torch.no_grad():
-            out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+            model = self._loaded()
+            out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
             past = out.past_key_values
             logits = out.logits[0, -1]
             for i in range(sp.max_new_tokens):
@@ -64,7 +74,7 @@ class HFEngine:
                 if tok in sp.stop_token_ids:
                     finish = "stop"
                     break
-                out = self.model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+                out = model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
                 past = out.past_key_values
                 logits = out.logits[0, -1]
         return ids, lps, finish, support
@@ -98,9 +108,11 @@ class HFEngine:
                                                  local_host=local_host, backend=backend)
 
     def _receive_sync(self) -> None:
+        if self._receiver is None:
+            raise RuntimeError("HF engine: receive_broadcast before init_broadcast")
         state = {k: v.float().cpu() for k, v in self._receiver.receive()}
         with self._lock:
-            self.model.load_state_dict(state)
+            self._loaded().load_state_dict(state)
 
     async def receive_broadcast(self) -> None:
         await asyncio.to_thread(self._receive_sync)
@@ -110,7 +122,7 @@ class HFEngine:
 
         fresh = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32)
         with self._lock:
-            self.model.load_state_dict(fresh.state_dict())
+            self._loaded().load_state_dict(fresh.state_dict())
 
     async def end_update(self, version: int) -> None:
         self.version = version
