@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass
 from datetime import timedelta
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -134,8 +135,9 @@ def make_weight_group(host: str, port: int, rank: int, world_size: int, *, local
     if store is None:
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
     prefixed = dist.PrefixStore("factory-weights", store)
+    group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # gloo's own options: not in torch's stubs
         opts._timeout = timedelta(seconds=timeout_s)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
@@ -162,18 +164,20 @@ class WeightBroadcaster:
     def __init__(self, host: str, world_size: int, backend: str = "gloo", timeout_s: float = 120.0):
         self.host, self.world_size, self.backend, self.timeout_s = host, world_size, backend, timeout_s
         self._store, self.port = open_rendezvous(host, world_size, timeout_s)
-        self.group = None
+        self.group: torch.distributed.ProcessGroupGloo | torch.distributed.ProcessGroupNCCL | None = None
 
     def connect(self) -> None:
         self.group, _ = make_weight_group(self.host, self.port, 0, self.world_size, local_host=self.host,
                                           backend=self.backend, store=self._store, timeout_s=self.timeout_s)
 
     def broadcast(self, plan: BucketPlan, tensors: dict[str, torch.Tensor]) -> int:
+        if self.group is None:
+            raise RuntimeError("WeightBroadcaster: broadcast before connect()")
         device = sync_device(self.backend)
         sent = 0
         for i in range(len(plan.buckets)):
             flat = pack_bucket(plan, i, tensors).to(device).contiguous()
-            self.group.broadcast(flat, 0).wait()
+            self.group.broadcast(flat, 0).wait()  # type: ignore[union-attr]  # torch's stubs lack the backends' collectives
             sent += flat.numel() * flat.element_size()
         return sent
 
@@ -191,7 +195,7 @@ class WeightReceiver:
 
     def receive(self) -> list[tuple[str, torch.Tensor]]:
         dtype = DTYPES[self.plan.dtype]
-        received = []
+        received: list[tuple[str, torch.Tensor]] = []
         for i in range(len(self.plan.buckets)):
             flat = torch.empty(self.plan.bucket_numel(i), dtype=dtype, device=self.device)
             self.group.broadcast(flat, 0).wait()
@@ -201,6 +205,8 @@ class WeightReceiver:
 
 class WeightReceiverExtension:
     """Mixed into vLLM's worker class; runs in the worker process next to the model."""
+
+    model_runner: Any  # the vLLM worker's
 
     def init_weight_group(self, host: str, port: str, rank: str, world_size: str, plan_json: str,
                           local_host: str = "127.0.0.1", backend: str = "gloo") -> str:
