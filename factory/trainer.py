@@ -11,7 +11,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,10 @@ from factory.algo import (
 )
 from factory.model.logprobs import completion_logprobs, pad_samples, to_device
 from factory.types import Batch, Sample
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 
 class Trainer:
@@ -50,7 +54,7 @@ class Trainer:
         self.temperature = rollout.temperature
         self.serving_dtype = rollout.dtype
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model: PreTrainedModel | PeftModel = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.lora = train.lora.enabled
         if self.lora:
             from peft import LoraConfig, get_peft_model
@@ -59,10 +63,11 @@ class Trainer:
             self.model = get_peft_model(self.model, LoraConfig(
                 r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=list(lc.target_modules),
                 bias="none", task_type="CAUSAL_LM"))
-        self.model.to(self.device).train()
+        self.model.to(self.device).train()  # type: ignore[arg-type]  # transformers types .to as the unbound Module.to
         self.ref_model = None
         if algorithm.kl_coef > 0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device).eval()
+            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            self.ref_model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to as the unbound Module.to
             self.ref_model.requires_grad_(False)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
                                            weight_decay=train.weight_decay, betas=tuple(train.betas))
@@ -178,7 +183,7 @@ class Trainer:
         if not self.lora:
             raise ValueError("save_adapter: train.lora.enabled is false; there is no adapter")
         out = Path(out_dir)
-        self.model.save_pretrained(out)
+        self.model.save_pretrained(str(out))
         return out
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -213,7 +218,7 @@ class Trainer:
             set_peft_model_state_dict(self.model, load_peft_weights(str(ckpt / "adapter")))
         else:
             self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict())
-            self.model.to(self.device)
+            self.model.to(self.device)  # type: ignore[arg-type]  # transformers types .to as the unbound Module.to
         state = torch.load(ckpt / "trainer.pt", weights_only=False, map_location=self.device)
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = state["version"]
