@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 
@@ -28,15 +29,15 @@ def local_ray(num_cpus: int = 8):
         # cluster address of 127.0.0.1 into the machine's address, where nothing listens
         from ray._private import ray_constants
 
-        ray_constants.ENABLE_RAY_CLUSTER = bool(address) and not is_loopback(address)
+        ray_constants.ENABLE_RAY_CLUSTER = bool(address and not is_loopback(address))
         if address:  # a cluster someone started (`ray start` on each node; infra/cluster/, infra/stack.py)
             check_reachable(address)
-            ray.init(address=address, log_to_driver=True, logging_level="WARNING",
+            ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING,
                      runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
         else:
             ray.init(
                 address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                log_to_driver=True, configure_logging=True, logging_level="WARNING",
+                log_to_driver=True, configure_logging=True, logging_level=logging.WARNING,
                 runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
             )
         started = True
