@@ -84,7 +84,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "he
     with local_ray(), tempfile.TemporaryDirectory(prefix="factory-eval-") as tmp:
         model = ray.put(DirBundle.of(checkpoint, exclude=("trainer.pt",)))  # to whichever nodes serve it
         own = engines is None
-        if own:
+        if engines is None:
             phase(f"starting a {recipe.rollout.engine} engine on {checkpoint}")
             engines = [placed(EngineActor, recipe.placement.engine).remote(
                 recipe.rollout.engine, model, recipe.rollout, str(Path(tmp) / "engine.log"))]
