@@ -24,6 +24,7 @@ from factory.types import Batch, Group, Task
 
 if TYPE_CHECKING:
     from factory.recipe import AlgorithmSection, AsyncSection, FailuresSection, TrainSection
+    from factory.weightsync import BucketPlan, WeightBroadcaster
 
 
 def placed(actor_class, resources: dict[str, float] | None = None, **options):
@@ -231,7 +232,9 @@ class BufferActor(Placed):
         """`failure`: the EpisodeFailure of the group `group_id` that raised (group None)."""
         if group is not None and seconds is not None:
             self.predictor.observe(group.task, seconds)
-        self.inflight.pop(group.group_id if group is not None else group_id, None)
+        key = group.group_id if group is not None else group_id
+        if key is not None:
+            self.inflight.pop(key, None)
         status = self.buffer.finish(group)
         if group is None and failure is not None and self.buffer.keep_discarded:
             self.failed_groups.append((group_id or "unknown", failure))
@@ -391,8 +394,8 @@ class TrainerActor(Placed):
 
         self.trainer = Trainer(local_dir(model, "trainer model"), algorithm, train, rollout)
         self.bucket_bytes = rollout.bucket_mb << 20
-        self.broadcaster = None
-        self.plan = None
+        self.broadcaster: WeightBroadcaster | None = None
+        self.plan: BucketPlan | None = None
 
     def plan_json(self) -> str:
         from factory.weightsync import BucketPlan
@@ -416,9 +419,13 @@ class TrainerActor(Placed):
         return self.broadcaster.host, self.broadcaster.port
 
     def join_broadcast(self) -> None:
+        if self.broadcaster is None:
+            raise RuntimeError("join_broadcast before open_broadcast")
         self.broadcaster.connect()
 
     def broadcast(self) -> int:
+        if self.broadcaster is None or self.plan is None:
+            raise RuntimeError("broadcast before open_broadcast and plan_json")
         return self.broadcaster.broadcast(self.plan, self.trainer.named_weights())
 
     def export_weights(self, kind: str) -> tuple[DirBundle, int]:
@@ -462,7 +469,10 @@ class ScorerActor(Placed):
         from factory.scoring import make_scorer
 
         local = local_dir(teacher, "algorithm.distill.teacher")
-        self.scorer = make_scorer(distill.model_copy(update={"teacher": local}), rollout)
+        scorer = make_scorer(distill.model_copy(update={"teacher": local}), rollout)
+        if scorer is None:
+            raise ValueError("ScorerActor: no teacher to score with (algorithm.distill.teacher)")
+        self.scorer = scorer
 
     def score(self, batch: Batch):
         from factory.scoring import score_batch
