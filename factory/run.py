@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ray
 
@@ -118,12 +119,13 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
 
 @dataclass
 class Actors:
-    """The run's actors. `own_engines`: started by this run (else given, and left running)."""
+    """The run's actors. `own_engines`: started by this run (else given, and left running). Ray actor
+    handles are typed Any: their methods (`handle.method.remote(...)`) are looked up at run time."""
 
     engines: list
-    trainer: object
-    scorer: object | None
-    buffer: object
+    trainer: Any
+    scorer: Any | None
+    buffer: Any
     workers: list
     own_engines: bool
     policy: object  # the base policy's DirBundle in the object store (env workers read the tokenizer from it)
@@ -146,7 +148,7 @@ def _start(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Path, tra
     own_engines = engines is None
     if own_engines:
         lora_rank = recipe.train.lora.rank if recipe.train.lora.enabled else 0
-        urls = recipe.rollout.urls or [None] * recipe.rollout.num_engines
+        urls: Sequence[str | None] = recipe.rollout.urls or [None] * recipe.rollout.num_engines
         engines = [placed(EngineActor, where.engine).remote(recipe.rollout.engine, policy_ref, recipe.rollout,
                                                             str(run_dir / f"engine-{i}.log"), lora_rank, url)
                    for i, url in enumerate(urls)]
