@@ -28,9 +28,11 @@ test: setup sglang-venv
 unit: setup
 	$(PY) -m pytest -q -m "not integration" tests
 
-# Lint: ruff on the library, the code location, infra, the benchmarks and the tests (rules in pyproject.toml)
+# Lint: ruff on the library, the code location, infra, the benchmarks and the tests, then mypy on the library
+# and the code location (both configured in pyproject.toml)
 lint: setup
 	$(PY) -m ruff check factory assets infra bench tests
+	$(PY) -m mypy factory assets
 
 bench: setup
 	$(PY) bench/async_speedup.py
