@@ -130,7 +130,7 @@ def follow(cmd: list[str], env: dict, log_path: Path, metrics: Path | None, labe
                 if metrics is not None and metrics.is_file():
                     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
                     for m in rows[seen:]:
-                        log(f"  {label}: step {m['step']:>3}  sync {m['weightsync/seconds'] * 1000:6.1f} ms  "
+                        log(f"  {label}: step {m['step']:>3}  sync {m.get('weightsync/seconds', 0.0) * 1000:6.1f} ms  "
                             f"{m['perf/samples_per_s']:5.1f} samples/s  idle {m['perf/trainer_idle_fraction']:.2f}")
                     seen = len(rows)
                 if rc is not None:
@@ -154,11 +154,11 @@ def summarize_run(run_dir: Path, label: str, wall: float, load_before: list[floa
     results = json.loads((run_dir / "results.json").read_text())
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
-    def mean(key: str) -> float:
-        return statistics.mean(s[key] for s in steps)
+    def mean(key: str) -> float:  # over the steps that report it (an overlapped sync reports a step later)
+        return statistics.mean(s[key] for s in steps if key in s)
 
     def median(key: str) -> float:
-        return statistics.median(s[key] for s in steps)
+        return statistics.median(s[key] for s in steps if key in s)
 
     done = [s["perf/samples_per_s"] * s["perf/elapsed_s"] for s in steps]  # samples trained by the end of each step
     return {
@@ -171,7 +171,7 @@ def summarize_run(run_dir: Path, label: str, wall: float, load_before: list[floa
         "sync_s_mean": mean("weightsync/seconds"), "sync_s_median": median("weightsync/seconds"),
         "transfer_s_mean": mean("weightsync/transfer_s"), "transfer_s_median": median("weightsync/transfer_s"),
         "drain_s_mean": mean("weightsync/drain_s"), "reopen_s_mean": mean("weightsync/reopen_s"),
-        "bytes_per_sync": steps[-1]["weightsync/bytes"],
+        "bytes_per_sync": steps[-1].get("weightsync/bytes"),
         "weight_sync_seconds_total": results["weight_sync_seconds"],
         "trainer_idle_fraction": results["trainer_idle_fraction"],
         "trainer_idle_fraction_after_first_batch": results["trainer_idle_fraction_after_first_batch"],

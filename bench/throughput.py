@@ -62,9 +62,18 @@ def time_recorder(spent: dict[str, float]) -> None:
         setattr(RunRecorder, name, timed)
 
 
-def processes() -> dict[int, tuple[str, float, float]]:
-    """{pid: (role, resident MiB, CPU seconds so far)} of this process and its descendants; role: driver,
-    vllm (the API server and its EngineCore / Worker processes), a Ray actor's class, or ray_other."""
+def role_of(cmd: str) -> str:
+    """vllm (the API server and its EngineCore / Worker processes), a Ray actor's class, or ray_other."""
+    if "vllm" in cmd.lower():
+        return "vllm"
+    if "ray::" in cmd:
+        return cmd.split("ray::", 1)[1].split()[0].split(".")[0]
+    return "ray_other"
+
+
+def processes(role=role_of) -> dict[int, tuple[str, float, float]]:
+    """{pid: (role, resident MiB, CPU seconds so far)} of this process ("driver") and its descendants,
+    each named by `role(command line)`."""
     import psutil
 
     me = psutil.Process()
@@ -77,15 +86,7 @@ def processes() -> dict[int, tuple[str, float, float]]:
                 cmd = " ".join(p.cmdline())
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if p.pid == me.pid:
-            role = "driver"
-        elif "vllm" in cmd.lower():
-            role = "vllm"
-        elif "ray::" in cmd:
-            role = cmd.split("ray::", 1)[1].split()[0].split(".")[0]
-        else:
-            role = "ray_other"
-        out[p.pid] = (role, rss, cpu.user + cpu.system)
+        out[p.pid] = ("driver" if p.pid == me.pid else role(cmd), rss, cpu.user + cpu.system)
     return out
 
 
@@ -129,7 +130,7 @@ def window_report(steps: list[dict], probes: dict[int, dict], samples: dict[int,
     commit_s = end.get("lake/commit_s_mean", 0.0) * end.get("lake/commits", 0.0) - (
         before.get("lake/commit_s_mean", 0.0) * before.get("lake/commits", 0.0))
     wait = waited(end) - waited(before)
-    sync = sum(m["weightsync/seconds"] for m in steps[first - 1:last])
+    sync = sum(m.get("weightsync/blocked_s", 0.0) for m in steps[first - 1:last])  # the driver's wait
     rec_first, rec_last = probes.get(first - 1, {}), probes[last]
     recorder = {k: (rec_last["recorder"].get(k, 0.0) - rec_first.get("recorder", {}).get(k, 0.0)) / n
                 for k in RECORDER_METHODS}

@@ -168,6 +168,9 @@ class RolloutSection(Section):
         "renormalise the trainer's policy over it, so both policies share a support")
     support_cap: int = Field(64, gt=0, description="with top-p only: candidates asked for per token; a set "
                              "that fills it is treated as unknown")
+    overlap_sync: bool = Field(
+        True, description="the weight update after a step runs while the driver records it and the trainer takes "
+        "the next (new requests wait for the new weights either way); false: the loop waits for the engines to reopen")
     partial_rollout: Literal["wait", "abort_resume", "inflight"] = Field(
         "wait", description="at a weight update: wait = drain in-flight requests first; abort_resume = abort "
         "them and continue prompt + tokens so far under the new weights; inflight = pause with the KV cache "

@@ -34,7 +34,7 @@ from factory.runtime.cluster import check_placement, local_ray
 from factory.runtime.deadlines import get_within
 from factory.runtime.evaluation import evaluate_workers
 from factory.runtime.transfer import DirBundle, node_ip
-from factory.runtime.weights import connect_broadcast, engine_metrics, publish_weights
+from factory.runtime.weights import WeightPublisher, connect_broadcast, engine_metrics, publish_weights
 from factory.throughput import WindowedRate
 
 __all__ = ["StepReport", "connect_broadcast", "engine_metrics", "publish_weights", "run"]
@@ -89,11 +89,12 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         phase("training")
         producing = [w.produce.remote() for w in a.workers]
         clock = LoopClock(generated=ray.get(a.buffer.metrics.remote())["buffer/finished_samples"])
+        sync = WeightPublisher(a.engines, a.trainer, recipe.rollout.weight_sync, deadlines.weight_sync_s,
+                               overlap=recipe.rollout.overlap_sync)
         for step in range(version + 1, recipe.train.steps + 1):
             batch = clock.waiting(partial(_next_batch, a, step, deadlines))
             batch, metrics = _score_and_train(a, batch, step, deadlines)
-            metrics.update(clock.synced(publish_weights(a.engines, a.trainer, step, recipe.rollout.weight_sync,
-                                                        deadlines.weight_sync_s)))
+            metrics.update(clock.synced(sync.publish(step)))  # returns once new requests wait for version `step`
             ray.get(a.buffer.set_version.remote(step))
             _record_samples(a, record, batch, step)
             metrics.update(_observe(a, clock, len(batch.samples)))
@@ -102,6 +103,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
                 on_step(StepReport(step, metrics))
             if (recipe.train.checkpoint_every and step % recipe.train.checkpoint_every == 0) or step == recipe.train.steps:
                 _checkpoint(a, record, run_dir, step, deadlines)
+        clock.synced(sync.finish())  # the engines serve the last step's weights from here on
         clock.stop()
 
         phase("stopping rollouts")
@@ -285,7 +287,7 @@ class LoopClock:
                 self.fill_s = self.wait_s
 
     def synced(self, sync: dict[str, float]) -> dict[str, float]:
-        self.sync_s += sync["weightsync/seconds"]
+        self.sync_s += sync["weightsync/blocked_s"]  # the driver's wait (overlapped syncs: closing admission)
         return sync
 
     def trained(self, samples: int, generated: float) -> dict[str, float]:

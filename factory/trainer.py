@@ -108,6 +108,7 @@ class Trainer:
         if any(s.teacher_logprobs for s in samples):  # graded by a teacher (scoring phase): distillation
             adv = distillation_advantages(adv, samples, tensors["old_logp"], tensors["mask"],
                                           self.algorithm.distill.coef)
+        t_forward = time.perf_counter()
         logp = completion_logprobs(self.model, tensors, self.temperature)
         # per-token staleness is measured against the policy being trained (= batch.version in run.py)
         ctx = LossContext(behaviour_logp=tensors["old_logp"], versions=tensors["versions"],
@@ -121,9 +122,12 @@ class Trainer:
             loss = loss + self.algorithm.kl_coef * kl
             out["train/kl_ref"] = float(kl.detach())
         self.optimizer.zero_grad(set_to_none=True)
+        t_backward = time.perf_counter()
         loss.backward()
+        t_optimizer = time.perf_counter()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
         self.optimizer.step()
+        t_done = time.perf_counter()
         self.version += 1
 
         with torch.no_grad():
@@ -147,7 +151,11 @@ class Trainer:
             out["rollout/overlong_penalty_mean"] = float((shaped.cpu() - torch.tensor(rewards)).mean())
         if not math.isfinite(out["train/loss"]):
             raise FloatingPointError(f"non-finite loss at step {self.version}: {out}")
+        # where the step's time went (bench/step_anatomy.py): batch prep, forward (+ reference), backward, optimizer
+        out.update({"perf/trainer_prepare_s": t_forward - t0, "perf/trainer_forward_s": t_backward - t_forward,
+                    "perf/trainer_backward_s": t_optimizer - t_backward, "perf/trainer_optimizer_s": t_done - t_optimizer})
         self.busy_s += time.perf_counter() - t0
+        out["perf/trainer_step_s"] = time.perf_counter() - t0
         return out
 
     @torch.no_grad()

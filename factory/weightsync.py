@@ -22,6 +22,8 @@ Why `model_runner.reload_weights`: on CPU, vLLM pre-packs linear weights, and th
 from __future__ import annotations
 
 import json
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from collections.abc import Iterable, Iterator
@@ -77,9 +79,17 @@ def _numel(shape) -> int:
     return n
 
 
-def pack_bucket(plan: BucketPlan, i: int, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    dtype = DTYPES[plan.dtype]
-    return torch.cat([tensors[name].detach().to(dtype).reshape(-1) for name, _ in plan.buckets[i]])
+def pack_bucket(plan: BucketPlan, i: int, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Bucket `i` of the plan as one flat tensor of the plan's dtype; into `out` (no allocation) if given."""
+    if out is None:
+        out = torch.empty(plan.bucket_numel(i), dtype=DTYPES[plan.dtype])
+    offset = 0
+    with torch.no_grad():
+        for name, shape in plan.buckets[i]:
+            n = _numel(shape)
+            out[offset : offset + n].copy_(tensors[name].detach().reshape(-1))  # casts in place
+            offset += n
+    return out
 
 
 def unpack_bucket(plan: BucketPlan, i: int, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -159,26 +169,62 @@ def sync_device(backend: str) -> str:
 class WeightBroadcaster:
     """Trainer side (rank 0): hosts the rendezvous on its node's address and sends every bucket of the
     plan to all receivers. Two phases, because receivers need the port before the group can form:
-    construct (store listening), then `connect()` (blocks until every receiver has joined)."""
+    construct (store listening), then `connect()` (blocks until every receiver has joined).
+
+    `stage()` copies the weights into staging buckets (allocated once, kept warm) and sends them from a
+    background thread, so the trainer can take its next step while the engines drain and receive:
+    the copies, not the live weights, travel. One broadcast at a time: the next `stage()` (or
+    `wait()`) waits for the one before. `broadcast()` is stage + wait."""
 
     def __init__(self, host: str, world_size: int, backend: str = "gloo", timeout_s: float = 120.0):
         self.host, self.world_size, self.backend, self.timeout_s = host, world_size, backend, timeout_s
         self._store, self.port = open_rendezvous(host, world_size, timeout_s)
         self.group: torch.distributed.ProcessGroupGloo | torch.distributed.ProcessGroupNCCL | None = None
+        self._staged: list[torch.Tensor] = []
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.send_s = 0.0  # the last broadcast's seconds from its first bucket out to its last
 
     def connect(self) -> None:
         self.group, _ = make_weight_group(self.host, self.port, 0, self.world_size, local_host=self.host,
                                           backend=self.backend, store=self._store, timeout_s=self.timeout_s)
 
-    def broadcast(self, plan: BucketPlan, tensors: dict[str, torch.Tensor]) -> int:
+    def stage(self, plan: BucketPlan, tensors: dict[str, torch.Tensor]) -> int:
+        """Copy `tensors` into the staging buckets and start sending them; returns the bytes it sends."""
         if self.group is None:
             raise RuntimeError("WeightBroadcaster: broadcast before connect()")
-        device = sync_device(self.backend)
-        sent = 0
-        for i in range(len(plan.buckets)):
-            flat = pack_bucket(plan, i, tensors).to(device).contiguous()
-            self.group.broadcast(flat, 0).wait()  # type: ignore[union-attr]  # torch's stubs lack the backends' collectives
-            sent += flat.numel() * flat.element_size()
+        self.wait()
+        if len(self._staged) != len(plan.buckets):
+            device = sync_device(self.backend)
+            self._staged = [torch.empty(plan.bucket_numel(i), dtype=DTYPES[plan.dtype], device=device)
+                            for i in range(len(plan.buckets))]
+        for i, buf in enumerate(self._staged):
+            pack_bucket(plan, i, tensors, out=buf)
+        self._thread = threading.Thread(target=self._send, name="factory-weight-broadcast", daemon=True)
+        self._thread.start()
+        return sum(b.numel() * b.element_size() for b in self._staged)
+
+    def _send(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            for buf in self._staged:
+                self.group.broadcast(buf, 0).wait()  # type: ignore[union-attr]  # torch's stubs lack the backends' collectives
+        except BaseException as err:  # noqa: BLE001  (re-raised by wait(), in the caller's thread)
+            self._error = err
+        self.send_s = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Until the staged broadcast has gone out (the group's timeout bounds it); re-raises its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"the weight broadcast failed: {type(err).__name__}: {err}") from err
+
+    def broadcast(self, plan: BucketPlan, tensors: dict[str, torch.Tensor]) -> int:
+        sent = self.stage(plan, tensors)
+        self.wait()
         return sent
 
 
@@ -192,12 +238,15 @@ class WeightReceiver:
                                                     local_host=local_host, backend=backend, timeout_s=timeout_s)
         self.plan = BucketPlan.from_json(plan_json)
         self.device = sync_device(backend)
+        dtype = DTYPES[self.plan.dtype]  # the receive buckets: allocated once, reused by every update
+        self._buckets = [torch.empty(self.plan.bucket_numel(i), dtype=dtype, device=self.device)
+                         for i in range(len(self.plan.buckets))]
 
     def receive(self) -> list[tuple[str, torch.Tensor]]:
-        dtype = DTYPES[self.plan.dtype]
+        """One broadcast's tensors: views into the receive buckets, valid until the next `receive()`
+        (every engine copies them into its weights before that)."""
         received: list[tuple[str, torch.Tensor]] = []
-        for i in range(len(self.plan.buckets)):
-            flat = torch.empty(self.plan.bucket_numel(i), dtype=dtype, device=self.device)
+        for i, flat in enumerate(self._buckets):
             self.group.broadcast(flat, 0).wait()
             received.extend(unpack_bucket(self.plan, i, flat))
         return received
@@ -215,9 +264,13 @@ class WeightReceiverExtension:
         return "ok"
 
     def receive_weights(self) -> str:
+        """Receive one broadcast and load it; returns JSON: tensors, and the seconds spent receiving
+        (the wire) and loading (vLLM's reload, which re-packs linear weights on CPU)."""
+        t0 = time.perf_counter()
         received = self._factory_receiver.receive()
+        t1 = time.perf_counter()
         self.model_runner.reload_weights(weights_iterator=iter(received))
-        return str(len(received))
+        return json.dumps({"tensors": len(received), "receive_s": t1 - t0, "load_s": time.perf_counter() - t1})
 
     def weight_checksum(self, name: str) -> str:
         """Sum of one parameter as the worker holds it (tests use it to see an update landed)."""

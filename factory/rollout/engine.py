@@ -16,6 +16,7 @@ carries the version that sampled it and the behaviour logprob the sampler used.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -56,6 +57,7 @@ def support_from(candidates: list[tuple[int, float]], k: int) -> list[int]:
 class RolloutEngine(Protocol):
     version: int
     partial: str  # what an update does to in-flight requests: one of its EngineKind's partial_rollouts
+    gate: AdmissionGate  # admission: closed by a weight update (requests wait), open otherwise
 
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
@@ -73,7 +75,10 @@ class RolloutEngine(Protocol):
 
 
 class AdmissionGate:
-    """Counts in-flight requests and lets a weight update close the door and wait for drain."""
+    """Counts in-flight requests and lets a weight update close the door and wait for drain.
+
+    `busy_s`: the seconds during which at least one request was inside (the engine's busy time as its
+    client sees it: compute plus the HTTP/API time around it)."""
 
     def __init__(self) -> None:
         self._open = asyncio.Event()
@@ -81,9 +86,13 @@ class AdmissionGate:
         self._idle = asyncio.Event()
         self._idle.set()
         self.inflight = 0
+        self._busy_since = 0.0
+        self._busy_s = 0.0
 
     async def __aenter__(self):
         await self._open.wait()
+        if self.inflight == 0:
+            self._busy_since = time.perf_counter()
         self.inflight += 1
         self._idle.clear()
         return self
@@ -91,7 +100,12 @@ class AdmissionGate:
     async def __aexit__(self, *exc):
         self.inflight -= 1
         if self.inflight == 0:
+            self._busy_s += time.perf_counter() - self._busy_since
             self._idle.set()
+
+    @property
+    def busy_s(self) -> float:
+        return self._busy_s + (time.perf_counter() - self._busy_since if self.inflight else 0.0)
 
     async def close_and_drain(self) -> None:
         self._open.clear()

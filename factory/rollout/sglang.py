@@ -442,6 +442,7 @@ class SGLangEngine:
             "rollout/engine_tokens": self.stats["tokens"],
             "rollout/engine_version": self.version,
             "rollout/engine_inflight": self.gate.inflight,
+            "rollout/engine_busy_s": self.gate.busy_s,
             "weightsync/updates": self.stats["updates"],
             "rollout/engine_resumed_requests": self.stats["resumed"],
             "rollout/engine_mixed_version_requests": self.stats["mixed_version"],

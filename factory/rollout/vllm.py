@@ -23,6 +23,7 @@ What happens to requests in flight at a weight update is the recipe's `rollout.p
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -148,7 +149,8 @@ class VLLMEngine:
         self.gate = AdmissionGate()
         self._client: httpx.AsyncClient | None = None
         self.stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "aborted": 0, "resumed": 0,
-                      "mixed_version": 0, "prefix_reset_skipped": 0}
+                      "mixed_version": 0, "prefix_reset_skipped": 0,
+                      "receive_s": 0.0, "load_s": 0.0, "receive_rpc_s": 0.0}
         self._user_aborted: set[str] = set()
         self.coalesce_s = coalesce_ms / 1000.0
         self.max_batch = max_batch
@@ -400,7 +402,11 @@ class VLLMEngine:
         await self._rpc("init_weight_group", host, port, rank, world_size, plan_json, local_host, backend)
 
     async def receive_broadcast(self) -> None:
-        await self._rpc("receive_weights")
+        t0 = time.perf_counter()
+        report = json.loads((await self._rpc("receive_weights"))[0])  # one worker: tensor parallelism is 1
+        self.stats["receive_s"] += report["receive_s"]
+        self.stats["load_s"] += report["load_s"]
+        self.stats["receive_rpc_s"] += time.perf_counter() - t0
 
     async def load_from_disk(self, path: str) -> None:
         await self._rpc("reload_weights", weights_path=path)
@@ -450,11 +456,17 @@ class VLLMEngine:
             "rollout/engine_tokens": self.stats["tokens"],
             "rollout/engine_version": self.version,
             "rollout/engine_inflight": self.gate.inflight,
+            "rollout/engine_busy_s": self.gate.busy_s,
             "weightsync/updates": self.stats["updates"],
             "rollout/engine_resumed_requests": self.stats["resumed"],
             "rollout/engine_mixed_version_requests": self.stats["mixed_version"],
             "weightsync/prefix_reset_skipped": self.stats["prefix_reset_skipped"],
             "weightsync/seconds_total": self.stats["update_s"],
+            # the broadcast's parts, summed over updates: in the worker, receiving (the wire) and vLLM's
+            # reload (re-packing); around them, the /collective_rpc call from here (HTTP + engine core)
+            "weightsync/engine_receive_s_total": self.stats["receive_s"],
+            "weightsync/engine_load_s_total": self.stats["load_s"],
+            "weightsync/engine_rpc_s_total": self.stats["receive_rpc_s"],
         }
 
 

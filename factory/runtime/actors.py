@@ -154,6 +154,28 @@ class EngineActor(Placed):
     async def end_update(self, version: int) -> None:
         await self.engine.end_update(version)
 
+    async def close_admission(self) -> None:
+        """Stop admitting new requests (those inside carry on): from here on a request waits for the
+        update under way and is sampled by the new weights."""
+        self.engine.gate.close()
+
+    async def update(self, version: int, mode: str, bundle: DirBundle | None = None) -> dict[str, float]:
+        """A whole weight update in one call: drain, take the weights (`broadcast`: from the trainer's
+        group; `disk` / `lora`: a bundle), reopen at `version`. Returns the seconds of each phase."""
+        t0 = time.perf_counter()
+        await self.engine.begin_update()
+        t1 = time.perf_counter()
+        if mode == "broadcast":
+            await self.engine.receive_broadcast()
+        elif bundle is None:
+            raise ValueError(f"a {mode} weight update needs a bundle")
+        else:
+            await self.load_bundle(bundle, mode)
+        t2 = time.perf_counter()
+        await self.engine.end_update(version)
+        t3 = time.perf_counter()
+        return {"drain_s": t1 - t0, "transfer_s": t2 - t1, "reopen_s": t3 - t2}
+
     async def metrics(self) -> dict[str, float]:
         return self.engine.metrics()
 
@@ -427,6 +449,13 @@ class TrainerActor(Placed):
         if self.broadcaster is None or self.plan is None:
             raise RuntimeError("broadcast before open_broadcast and plan_json")
         return self.broadcaster.broadcast(self.plan, self.trainer.named_weights())
+
+    def stage_broadcast(self) -> int:
+        """Copy the weights into the staging buckets and send them from a background thread: returns at
+        once (the bytes it sends), so the next train step overlaps the engines' drain and receive."""
+        if self.broadcaster is None or self.plan is None:
+            raise RuntimeError("broadcast before open_broadcast and plan_json")
+        return self.broadcaster.stage(self.plan, self.trainer.named_weights())
 
     def export_weights(self, kind: str) -> tuple[DirBundle, int]:
         """`disk`: the policy as an HF model dir; `lora`: the adapter alone. As a bundle, and its bytes."""

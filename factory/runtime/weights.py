@@ -31,28 +31,71 @@ def load_bundle(engines, bundle, kind: str = "disk") -> None:
     ray.get([e.load_bundle.remote(bundle, kind) for e in engines])
 
 
+class WeightPublisher:
+    """Moves the trainer's weights into the engines after each step.
+
+    `publish(version)`: close the engines' admission (a request from then on waits and is sampled by
+    the new weights), then start the update — the trainer copies its weights into staging buckets and
+    sends them from a background thread (`broadcast`) or exports a bundle (`disk` / `lora`), and each
+    engine drains, takes them and reopens in one call. With `overlap` it returns once admission is
+    closed: the drain and the transfer run while the driver records the step and the trainer takes
+    the next one (Ray runs the trainer's calls in order, so the next step starts after the copy).
+    The next `publish` (or `finish`) first waits for the update before it, within `timeout_s`
+    (`deadlines.weight_sync_s`). Without `overlap` it returns when the engines have reopened.
+
+    What it returns describes the last completed update, under `weightsync/…` names: its seconds
+    end to end and per phase (the slowest engine's), its bytes, and `weightsync/blocked_s`, how long
+    this call held the driver."""
+
+    def __init__(self, engines, trainer, mode: str, timeout_s: float | None = None, overlap: bool = True):
+        self.engines, self.trainer, self.mode, self.timeout_s, self.overlap = engines, trainer, mode, timeout_s, overlap
+        self._pending: tuple | None = None  # (version, engine refs, bytes ref, start time)
+
+    def _get(self, refs, version: int):
+        if not self.timeout_s:
+            return ray.get(refs)
+        return Deadline(self.timeout_s, f"weight sync of version {version} ({self.mode})", "deadlines.weight_sync_s",
+                        "an engine did not drain, receive or reopen").get(refs)
+
+    def _collect(self) -> dict[str, float]:
+        if self._pending is None:
+            return {}
+        version, updates, nbytes, t0 = self._pending
+        self._pending = None
+        phases = self._get(updates, version)
+        sent = self._get(nbytes, version)
+        out = {f"weightsync/{k}": max(p[k] for p in phases) for k in ("drain_s", "transfer_s", "reopen_s")}
+        out["weightsync/seconds"] = time.perf_counter() - t0 if not self.overlap else sum(out.values())
+        out["weightsync/bytes"] = float(sent)
+        return out
+
+    def publish(self, version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        done = self._collect()
+        self._get([e.close_admission.remote() for e in self.engines], version)
+        if self.mode == "broadcast":
+            nbytes, bundle = self.trainer.stage_broadcast.remote(), None
+        else:  # disk: a whole HF model dir; lora: the adapter alone (loaded in place); each engine's node pulls it
+            bundle, nbytes = self.trainer.export_weights.options(num_returns=2).remote(self.mode)
+        self._pending = (version, [e.update.remote(version, self.mode, bundle) for e in self.engines], nbytes,
+                         time.perf_counter())
+        if not self.overlap:
+            done = self._collect()
+        return {**done, "weightsync/blocked_s": time.perf_counter() - t0}
+
+    def finish(self) -> dict[str, float]:
+        """Wait for the update under way (before evaluating, stopping, or handing the engines on)."""
+        t0 = time.perf_counter()
+        done = self._collect()
+        return {**done, "weightsync/blocked_s": time.perf_counter() - t0}
+
+
 def publish_weights(engines, trainer, version: int, mode: str, timeout_s: float | None = None) -> dict[str, float]:
-    """Drain the engines, move the trainer's weights into them, and open them at `version`, all within
-    `timeout_s` (`deadlines.weight_sync_s`; None: no limit).
+    """Drain the engines, move the trainer's weights into them and open them at `version`, all within
+    `timeout_s` (`deadlines.weight_sync_s`; None: no limit); returns when they have reopened.
 
     Returns the seconds of each phase and the bytes sent per engine under `weightsync/…` names."""
-    get = Deadline(timeout_s, f"weight sync of version {version} ({mode})", "deadlines.weight_sync_s",
-                   "an engine did not drain, receive or reopen").get if timeout_s else ray.get
-    t0 = time.perf_counter()
-    get([e.begin_update.remote() for e in engines])
-    t1 = time.perf_counter()
-    if mode == "broadcast":
-        sent = get([trainer.broadcast.remote()] + [e.receive_broadcast.remote() for e in engines])[0]
-    else:  # disk: a whole HF model dir; lora: the adapter alone (loaded in place)
-        bundle, nbytes = trainer.export_weights.options(num_returns=2).remote(mode)
-        # the engines' nodes pull the bundle from the trainer's
-        get([e.load_bundle.remote(bundle, mode) for e in engines])
-        sent = get(nbytes)
-    t2 = time.perf_counter()
-    get([e.end_update.remote(version) for e in engines])
-    t3 = time.perf_counter()
-    return {"weightsync/seconds": t3 - t0, "weightsync/drain_s": t1 - t0, "weightsync/transfer_s": t2 - t1,
-            "weightsync/reopen_s": t3 - t2, "weightsync/bytes": float(sent)}
+    return WeightPublisher(engines, trainer, mode, timeout_s, overlap=False).publish(version)
 
 
 def engine_metrics(engines) -> dict[str, float]:
