@@ -124,6 +124,10 @@ class EngineActor(Placed):
     async def generate(self, prompt_ids, sampling, request_id):
         return await self.engine.generate(prompt_ids, sampling, request_id)
 
+    async def generate_many(self, requests: list[tuple]) -> list:
+        """Many `generate` calls in one Ray call: each result is a Generation or the exception it raised."""
+        return await asyncio.gather(*(self.engine.generate(*r) for r in requests), return_exceptions=True)
+
     async def begin_update(self) -> None:
         await self.engine.begin_update()
 
@@ -185,22 +189,56 @@ class EngineActor(Placed):
 
 class RemoteEngine:
     """Lets the gateway await a Ray engine actor as if it were a local engine; a call that takes longer
-    than `deadline_s` (`deadlines.engine_call_s`) is cancelled and fails its episode."""
+    than `deadline_s` (`deadlines.engine_call_s`) is cancelled and fails its episode.
 
-    def __init__(self, actor, deadline_s: float | None = None):
+    Calls that arrive within `window_s` of the first travel as one Ray call (`generate_many`), each
+    answered as soon as that call returns. Why: a Ray call costs a few ms of CPU on each side; one per
+    prompt was most of the engine actor's CPU and a large share of the env worker's
+    (bench/step_anatomy.py), on cores the engine and trainer need. The engine coalesces them into
+    HTTP batches as before."""
+
+    def __init__(self, actor, deadline_s: float | None = None, window_s: float = 0.002):
         self.actor = actor
         self.deadline_s = deadline_s
+        self.window_s = window_s
+        self._pending: list[tuple[tuple, asyncio.Future]] = []
+        self._calls: set[asyncio.Task] = set()
 
     async def generate(self, prompt_ids, sampling, request_id):
-        ref = self.actor.generate.remote(prompt_ids, sampling, request_id)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._pending.append(((prompt_ids, sampling, request_id), future))
+        if len(self._pending) == 1:
+            loop.call_later(self.window_s, self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        if batch:
+            task = asyncio.create_task(self._call(batch))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+
+    async def _call(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
+        ref = self.actor.generate_many.remote([request for request, _ in batch])
         try:
-            return await asyncio.wait_for(ref, self.deadline_s)
+            results = await asyncio.wait_for(ref, self.deadline_s)
         except TimeoutError:
             ray.cancel(ref)
             from factory.failures import DeadlineExceeded
 
-            raise DeadlineExceeded(f"engine call {request_id}: no generation within deadlines.engine_call_s="
-                                   f"{self.deadline_s:g} s (is the engine stalled or overloaded?)") from None
+            results = [DeadlineExceeded(f"engine call {request[2]}: no generation within deadlines.engine_call_s="
+                                        f"{self.deadline_s:g} s (is the engine stalled or overloaded?)")
+                       for request, _ in batch]
+        except Exception as err:  # noqa: BLE001  (the actor is gone or failed: every waiter learns of it)
+            results = [err] * len(batch)
+        for (_, future), result in zip(batch, results):
+            if future.done():  # its episode was cancelled meanwhile
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
 
 
 @ray.remote(num_cpus=0)
