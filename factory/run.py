@@ -258,9 +258,11 @@ def _stop(a: Actors, producing: list, record: RunRecorder, last_step: int) -> di
     ray.get(producing)
     if record.keeps_all_samples:  # what was still queued, and what finished while stopping
         record.log_discarded(last_step, *ray.get(a.buffer.take_discarded.remote(unused=True)))
+    engines = ray.get([e.metrics.remote() for e in a.engines])  # after the last update (sync.finish)
     return {"buffer": ray.get(a.buffer.metrics.remote()),  # the final counts: every group's fate
-            "engine_requests": [m.get("rollout/engine_requests", 0.0)
-                                for m in ray.get([e.metrics.remote() for e in a.engines])]}
+            "engine_requests": [m.get("rollout/engine_requests", 0.0) for m in engines],
+            "engine_updates": [m.get("weightsync/updates", 0.0) for m in engines],
+            "engine_versions": [m.get("rollout/engine_version") for m in engines]}
 
 
 class LoopClock:

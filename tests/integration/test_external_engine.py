@@ -25,9 +25,11 @@ def test_a_recipe_naming_engine_urls_trains_on_an_engine_it_did_not_start(engine
     results = run(recipe, tmp_path)  # no engines handed in: the run attaches to the URL
     assert results["samples_trained"] > 0 and results["engine_requests"][0] > 0
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    # the attached engine took every step's weights (plus the run's own at the start)
-    assert steps[-1]["weightsync/updates"] == recipe.train.steps + 1
-    assert steps[-1]["rollout/engine_version"] == recipe.train.steps
+    assert [s["step"] for s in steps] == [1, 2]
+    # the attached engine took every step's weights (plus the run's own at the start), the last one
+    # before the run ended (a step's metrics may predate its own update: rollout.overlap_sync)
+    assert results["engine_updates"] == [recipe.train.steps + 1]
+    assert results["engine_versions"] == [recipe.train.steps]
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # left running
     assert results["after"]["n"] == 16
 

@@ -25,7 +25,8 @@ def test_factory_run_trains_against_a_real_sglang_server(ray_cluster, policy, tm
     assert results["samples_trained"] > 0 and results["engine_requests"][0] > 0
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]
-    assert steps[-1]["weightsync/updates"] == recipe.train.steps  # one broadcast per step
+    assert results["engine_updates"] == [recipe.train.steps]  # one broadcast per step, the last before the end
+    assert results["engine_versions"] == [recipe.train.steps]
     for s in steps:  # steps 2 and 3 were sampled on weights the trainer broadcast into SGLang
         assert s["staleness/max"] == 0
         assert s["train/logprob_abs_diff"] < BF16_MEAN_TOL, s
