@@ -21,6 +21,7 @@ from factory.rollout.sglang import VENV_HINT, SGLangEngine, SGLangServer, sglang
 pytestmark = pytest.mark.integration
 
 LOGPROB_TOL = 0.05  # bf16 serving vs an fp32 transformers forward (measured max ~0.01 here)
+SAMPLED_TOL = 0.1  # the same for single tokens sampled at temperature 1 from perturbed weights
 QUESTIONS = ["Calculate 12 + 34.", "Calculate 7 + 58.", "Calculate 90 + 9.", "Calculate 3 + 4."]
 
 
@@ -212,7 +213,9 @@ def test_partial_rollout_modes_span_the_update(server, policy, prompts, tokenize
     from the new ones (recomputed KV for inflight, prompt + partial tokens resent for abort_resume);
     versions say which, and each part's logprobs match transformers on the weights that sampled it."""
     new_dir, new_model = perturbed
-    long = SamplingParams(max_new_tokens=120, min_new_tokens=120, temperature=1.0)
+    # long enough that the update at 0.6 s lands mid-request on a quiet machine too (120 tokens were
+    # all sampled before it once); prompt + 240 tokens stay within the tiny model's 256 positions
+    long = SamplingParams(max_new_tokens=240, min_new_tokens=240, temperature=1.0)
 
     async def scenario(engine):
         await engine.begin_update()  # label the current weights 7 (the shared server keeps its last label)
@@ -230,7 +233,7 @@ def test_partial_rollout_modes_span_the_update(server, policy, prompts, tokenize
         return gen, metrics
 
     gen, metrics = run(scenario, server, policy, partial_rollout=mode)
-    assert len(gen.token_ids) == 120 and len(gen.logprobs) == 120 and gen.finish_reason == "length"
+    assert len(gen.token_ids) == 240 and len(gen.logprobs) == 240 and gen.finish_reason == "length"
     k = gen.versions.index(8)  # the first token the new weights sampled
     assert 0 < k and set(gen.versions[:k]) == {7} and set(gen.versions[k:]) == {8}, gen.versions
     assert metrics["rollout/engine_mixed_version_requests"] >= 1
@@ -239,8 +242,13 @@ def test_partial_rollout_modes_span_the_update(server, policy, prompts, tokenize
     eos = [tokenizer.eos_token_id]  # min_new_tokens = max_new_tokens: never sampleable
     _, old_ref = reference(old_model, prompts[2], gen.token_ids[:k], eos)
     _, new_ref = reference(new_model, prompts[2], gen.token_ids, eos)
-    assert max(abs(a - b) for a, b in zip(gen.logprobs[:k], old_ref)) < LOGPROB_TOL
-    assert max(abs(a - b) for a, b in zip(gen.logprobs[k:], new_ref[k:])) < LOGPROB_TOL
+    # sampled at temperature 1 (low-probability tokens too) and, after k, on noise-perturbed weights: the
+    # bf16 error of single tokens reaches past LOGPROB_TOL (0.057 seen once); the mean stays within it,
+    # and either model's logprobs under the other's weights are off by > 10 × LOGPROB_TOL
+    old_gaps = [abs(a - b) for a, b in zip(gen.logprobs[:k], old_ref)]
+    new_gaps = [abs(a - b) for a, b in zip(gen.logprobs[k:], new_ref[k:])]
+    for gaps in (old_gaps, new_gaps):
+        assert max(gaps) < SAMPLED_TOL and sum(gaps) / len(gaps) < LOGPROB_TOL, (max(gaps), sum(gaps) / len(gaps))
 
 
 def test_broadcast_from_the_trainer_side_of_factory_weightsync(server, policy, prompts, old_model, perturbed):
