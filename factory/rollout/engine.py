@@ -74,6 +74,32 @@ class RolloutEngine(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
+class Batcher:
+    """Gathers what arrives within `window_s` of the first item (or `max_batch` items, if set) and
+    hands each batch to the coroutine `flush(batch)`, in a task of its own. Items carry their own
+    futures: the flush answers them. Engines batch prompts into HTTP requests with it, the env
+    worker batches them into Ray calls (per-call costs, not the model, bound small-model speed)."""
+
+    def __init__(self, flush, window_s: float, max_batch: int = 0):
+        self.flush, self.window_s, self.max_batch = flush, window_s, max_batch
+        self._pending: list = []
+        self._tasks: set[asyncio.Task] = set()
+
+    def add(self, item) -> None:
+        self._pending.append(item)
+        if self.max_batch and len(self._pending) >= self.max_batch:
+            self.flush_now()
+        elif len(self._pending) == 1:
+            asyncio.get_running_loop().call_later(self.window_s, self.flush_now)
+
+    def flush_now(self) -> None:
+        batch, self._pending = self._pending, []
+        if batch:
+            task = asyncio.create_task(self.flush(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+
 class AdmissionGate:
     """Counts in-flight requests and lets a weight update close the door and wait for drain.
 

@@ -198,26 +198,16 @@ class RemoteEngine:
     HTTP batches as before."""
 
     def __init__(self, actor, deadline_s: float | None = None, window_s: float = 0.002):
+        from factory.rollout.engine import Batcher
+
         self.actor = actor
         self.deadline_s = deadline_s
-        self.window_s = window_s
-        self._pending: list[tuple[tuple, asyncio.Future]] = []
-        self._calls: set[asyncio.Task] = set()
+        self._batcher = Batcher(self._call, window_s)
 
     async def generate(self, prompt_ids, sampling, request_id):
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._pending.append(((prompt_ids, sampling, request_id), future))
-        if len(self._pending) == 1:
-            loop.call_later(self.window_s, self._flush)
+        future = asyncio.get_running_loop().create_future()
+        self._batcher.add(((prompt_ids, sampling, request_id), future))
         return await future
-
-    def _flush(self) -> None:
-        batch, self._pending = self._pending, []
-        if batch:
-            task = asyncio.create_task(self._call(batch))
-            self._calls.add(task)
-            task.add_done_callback(self._calls.discard)
 
     async def _call(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
         ref = self.actor.generate_many.remote([request for request, _ in batch])
