@@ -74,6 +74,26 @@ class RolloutEngine(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
+def server_engine_metrics(engine) -> dict[str, float]:
+    """The counters every server-backed engine (vLLM, SGLang) reports: requests, HTTP batches, tokens,
+    its weight version, admission state and busy time, and its updates (from its `stats`, `_batches`,
+    `version` and `gate`)."""
+    stats = engine.stats
+    return {
+        "rollout/engine_requests": stats["requests"],
+        "rollout/engine_http_batches": engine._batches,
+        "rollout/engine_tokens": stats["tokens"],
+        "rollout/engine_version": engine.version,
+        "rollout/engine_inflight": engine.gate.inflight,
+        "rollout/engine_busy_s": engine.gate.busy_s,
+        "weightsync/updates": stats["updates"],
+        "rollout/engine_resumed_requests": stats["resumed"],
+        "rollout/engine_mixed_version_requests": stats["mixed_version"],
+        "weightsync/prefix_reset_skipped": stats["prefix_reset_skipped"],
+        "weightsync/seconds_total": stats["update_s"],
+    }
+
+
 class Batcher:
     """Gathers what arrives within `window_s` of the first item (or `max_batch` items, if set) and
     hands each batch to the coroutine `flush(batch)`, in a task of its own. Items carry their own

@@ -54,7 +54,7 @@ from typing import Any
 import httpx
 
 from factory.paths import REPO_ROOT, cache_dir, state_dir
-from factory.rollout.engine import AdmissionGate, Batcher, Generation, SamplingParams
+from factory.rollout.engine import AdmissionGate, Batcher, Generation, SamplingParams, server_engine_metrics
 from factory.rollout.server import EngineStartError, ServerProcess, engine_client, free_port
 from factory.rollout.vllm import spans_to_versions
 
@@ -422,16 +422,4 @@ class SGLangEngine:
             raise RuntimeError(f"SGLang refused to flush its prefix cache after a weight update: {resp.text[:300]}")
 
     def metrics(self) -> dict[str, float]:
-        return {
-            "rollout/engine_requests": self.stats["requests"],
-            "rollout/engine_http_batches": self._batches,
-            "rollout/engine_tokens": self.stats["tokens"],
-            "rollout/engine_version": self.version,
-            "rollout/engine_inflight": self.gate.inflight,
-            "rollout/engine_busy_s": self.gate.busy_s,
-            "weightsync/updates": self.stats["updates"],
-            "rollout/engine_resumed_requests": self.stats["resumed"],
-            "rollout/engine_mixed_version_requests": self.stats["mixed_version"],
-            "weightsync/prefix_reset_skipped": self.stats["prefix_reset_skipped"],
-            "weightsync/seconds_total": self.stats["update_s"],
-        }
+        return server_engine_metrics(self)

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from factory.paths import REPO_ROOT, cache_dir
-from factory.rollout.engine import AdmissionGate, Generation, SamplingParams, support_from
+from factory.rollout.engine import AdmissionGate, Generation, SamplingParams, server_engine_metrics, support_from
 from factory.rollout.server import EngineStartError, ServerProcess, engine_client, free_port  # noqa: F401 (re-exported)
 
 
@@ -451,17 +451,7 @@ class VLLMEngine:
 
     def metrics(self) -> dict[str, float]:
         return {
-            "rollout/engine_requests": self.stats["requests"],
-            "rollout/engine_http_batches": self._batches,
-            "rollout/engine_tokens": self.stats["tokens"],
-            "rollout/engine_version": self.version,
-            "rollout/engine_inflight": self.gate.inflight,
-            "rollout/engine_busy_s": self.gate.busy_s,
-            "weightsync/updates": self.stats["updates"],
-            "rollout/engine_resumed_requests": self.stats["resumed"],
-            "rollout/engine_mixed_version_requests": self.stats["mixed_version"],
-            "weightsync/prefix_reset_skipped": self.stats["prefix_reset_skipped"],
-            "weightsync/seconds_total": self.stats["update_s"],
+            **server_engine_metrics(self),
             # the broadcast's parts, summed over updates: in the worker, receiving (the wire) and vLLM's
             # reload (re-packing); around them, the /collective_rpc call from here (HTTP + engine core)
             "weightsync/engine_receive_s_total": self.stats["receive_s"],
