@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -135,3 +136,26 @@ def engine_client(url: str) -> httpx.AsyncClient:
     30 s (servers we start keep idle ones longer, so the client never reuses one the server closed)."""
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=30)
     return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=10), limits=limits)
+
+
+class ServerClient:
+    """The HTTP side of a server-backed engine (vLLM, SGLang): its server's `url`, one pooled client made
+    on first use (`engine_client`), and closing it."""
+
+    server: Any
+    _client: httpx.AsyncClient | None = None
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = engine_client(self.url)
+        return self._client
+
+    async def close_client(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

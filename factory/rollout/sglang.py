@@ -55,7 +55,7 @@ import httpx
 
 from factory.paths import REPO_ROOT, cache_dir, state_dir
 from factory.rollout.engine import AdmissionGate, Batcher, Generation, SamplingParams, server_engine_metrics
-from factory.rollout.server import EngineStartError, ServerProcess, engine_client, free_port
+from factory.rollout.server import EngineStartError, ServerClient, ServerProcess, free_port
 from factory.rollout.vllm import spans_to_versions
 
 CPU_STAND_IN = Path(__file__).parent / "sglang_cpu"  # the stand-in sgl_kernel (CPU test set-up only)
@@ -167,7 +167,7 @@ def _call_payload(args: dict) -> str:
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-class SGLangEngine:
+class SGLangEngine(ServerClient):
     """RolloutEngine over an SGLang server: prompts go in as token ids on `/generate`."""
 
     SUPPORTED_PARTIAL = ("wait", "abort_resume", "inflight")
@@ -215,25 +215,13 @@ class SGLangEngine:
                    partial_rollout=r.partial_rollout, host=b.host, device=r.device,
                    coalesce_ms=r.coalesce_ms)
 
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = engine_client(self.url)
-        return self._client
-
     async def start(self) -> None:
         if self._owns_server and self.server.proc is None:
             await asyncio.to_thread(self.server.launch)
             await asyncio.to_thread(self.server.wait_ready, self.startup_timeout_s)
 
     async def stop(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self.close_client()
         if self._owns_server:
             await asyncio.to_thread(self.server.stop)
 

@@ -36,7 +36,7 @@ import httpx
 
 from factory.paths import REPO_ROOT, cache_dir
 from factory.rollout.engine import AdmissionGate, Generation, SamplingParams, server_engine_metrics, support_from
-from factory.rollout.server import EngineStartError, ServerProcess, engine_client, free_port  # noqa: F401 (re-exported)
+from factory.rollout.server import EngineStartError, ServerClient, ServerProcess, engine_client, free_port  # noqa: F401 (re-exported)
 
 
 class VLLMServer(ServerProcess):
@@ -121,7 +121,7 @@ class AttachedServer:
         pass
 
 
-class VLLMEngine:
+class VLLMEngine(ServerClient):
     """RolloutEngine over a vLLM server: prompts go in as token ids on /v1/completions.
 
     It starts its own server, or attaches to a running one (`server=AttachedServer(url)`)."""
@@ -159,16 +159,6 @@ class VLLMEngine:
         self._engine_ids: dict[str, str] = {}
         self._batches = 0
 
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = engine_client(self.url)
-        return self._client
-
     async def start(self) -> None:
         if isinstance(self.server, AttachedServer):
             self.model = await asyncio.to_thread(self.server.check)
@@ -177,9 +167,7 @@ class VLLMEngine:
             await asyncio.to_thread(self.server.wait_ready, self.startup_timeout_s)
 
     async def stop(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self.close_client()
         if self._owns_server:
             await asyncio.to_thread(self.server.stop)
 
