@@ -128,9 +128,6 @@ class EngineActor(Placed):
         """Many `generate` calls in one Ray call: each result is a Generation or the exception it raised."""
         return await asyncio.gather(*(self.engine.generate(*r) for r in requests), return_exceptions=True)
 
-    async def begin_update(self) -> None:
-        await self.engine.begin_update()
-
     async def set_partial_rollout(self, mode: str) -> None:
         """Switch what happens to in-flight requests at an update (a shared engine serves many runs)."""
         if mode not in self.kind.partial_rollouts:
@@ -143,9 +140,6 @@ class EngineActor(Placed):
         """Join the trainer's weight group from this node's own address."""
         await self.engine.init_broadcast(host, port, rank, world_size, plan_json, node_ip(), backend)
 
-    async def receive_broadcast(self) -> None:
-        await self.engine.receive_broadcast()
-
     async def load_bundle(self, bundle: DirBundle, kind: str) -> None:
         """Weights (`disk`: an HF model dir) or a LoRA adapter (`lora`) that came over the network:
         written to this node's scratch directory, then loaded from there."""
@@ -154,9 +148,6 @@ class EngineActor(Placed):
             await self.engine.load_lora(path)
         else:
             await self.engine.load_from_disk(path)
-
-    async def end_update(self, version: int) -> None:
-        await self.engine.end_update(version)
 
     async def close_admission(self) -> None:
         """Stop admitting new requests (those inside carry on): from here on a request waits for the

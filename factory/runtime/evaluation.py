@@ -21,7 +21,6 @@ from factory.runtime.actors import EngineActor, EnvWorkerActor, placed
 from factory.runtime.cluster import local_ray
 from factory.runtime.deadlines import Deadline
 from factory.runtime.transfer import DirBundle
-from factory.runtime.weights import load_bundle
 
 CHUNK = 32  # tasks per call: progress moves every CHUNK episodes
 IN_FLIGHT = 4  # calls per worker at once: CHUNK * IN_FLIGHT episodes in flight, as before in one call
@@ -90,9 +89,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "he
                 recipe.rollout.engine, model, recipe.rollout, str(Path(tmp) / "engine.log"))]
             ray.get([e.start.remote() for e in engines])
         else:
-            ray.get([e.begin_update.remote() for e in engines])
-            load_bundle(engines, model, "disk")
-            ray.get([e.end_update.remote(-1) for e in engines])  # -1: not a version of any run
+            ray.get([e.update.remote(-1, "disk", model) for e in engines])  # -1: not a version of any run
         worker = placed(EnvWorkerActor, recipe.placement.env_worker).remote(model, recipe.environment, recipe.rollout,
                                                                              engines, None, recipe.failures,
                                                                              recipe.deadlines)

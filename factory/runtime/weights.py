@@ -26,11 +26,6 @@ def connect_broadcast(engines, trainer, backend: str = "auto") -> str:
     return backend
 
 
-def load_bundle(engines, bundle, kind: str = "disk") -> None:
-    """Load a DirBundle (or an ObjectRef to one) into every engine: each engine's node fetches it."""
-    ray.get([e.load_bundle.remote(bundle, kind) for e in engines])
-
-
 class WeightPublisher:
     """Moves the trainer's weights into the engines after each step.
 
