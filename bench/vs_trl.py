@@ -25,7 +25,8 @@ Variants:
   work per completion; it runs `--long-steps` steps and reports throughput (its accuracy is
   reported but means little: the answer is buried in forced tokens).
 
-Ratios (Factory / TRL) go to bench/results/vs_trl.json. Needs the `bench` extra (`pip install
+Ratios (Factory / TRL) go to bench/results/vs_trl.json, accuracy by step to a plot beside it
+(vs_trl.png; `--plot-only` redraws it from the JSON). Needs the `bench` extra (`pip install
 -e '.[bench]'`: trl).
 
     python bench/vs_trl.py [--steps 400] [--eval-every 25] [--heldout 500] [--long-steps 30]
@@ -34,6 +35,7 @@ Ratios (Factory / TRL) go to bench/results/vs_trl.json. Needs the `bench` extra 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -205,6 +207,28 @@ def variant(name: str, steps: int, max_new_tokens: int, args, policy: Path, star
                          "group_size": recipe.rollout.group_size, "lr": recipe.train.lr}, "rows": rows, "ratios": ratios}
 
 
+def plot(results: dict, path: Path) -> None:
+    """Held-out accuracy (± 1 SE) by step of both systems on the short-answer variant, with the target."""
+    from matplotlib.figure import Figure
+
+    short = results["short"]
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    for name, row in short["rows"].items():
+        steps = [0] + [int(s) for s in row["heldout"]]
+        acc = [results["start"]] + list(row["heldout"].values())
+        ax.errorbar(steps, [a["mean"] for a in acc], yerr=[a["stderr"] for a in acc], label=name, capsize=2, marker="o",
+                    ms=3)
+    ax.axhline(next(iter(short["rows"].values()))["target"], color="k", ls="--", lw=1, label="start + 0.05")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"held-out accuracy (n = {results.get('heldout_n', '?')})")
+    ax.set_title("Factory vs TRL GRPOTrainer, same policy, tasks and settings")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400)
@@ -214,8 +238,12 @@ def main() -> int:
     ap.add_argument("--trl-threads", type=int, default=2)
     ap.add_argument("--variants", nargs="+", default=["short", "long"], choices=["short", "long"])
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "vs_trl.json"))
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out's results and stop")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
+        return 0
     try:
         import trl
     except ImportError:
@@ -234,7 +262,10 @@ def main() -> int:
     if "long" in args.variants:
         results["long"] = variant("long", args.long_steps, 64, args, policy, start)
     results["goals"] = GOALS
+    results["heldout_n"] = args.heldout
     write_results(args.out, results)
+    if "short" in results:
+        plot(results, Path(args.out).with_suffix(".png"))
     return 0
 
 
