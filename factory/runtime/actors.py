@@ -105,13 +105,14 @@ class EngineActor(Placed):
     with `url` it attaches to that running server instead of starting one."""
 
     def __init__(self, kind: str, model: str | DirBundle, rollout, log_path: str | None = None, lora_rank: int = 0,
-                 url: str | None = None):
+                 url: str | None = None, shape: dict | None = None):
         from factory.rollout.engines import EngineBuild, make_engine
 
         from factory.rollout.engines import ENGINES
 
         path = local_dir(model, "rollout engine model") if url is None else str(getattr(model, "name", model))
-        self.engine = make_engine(kind, EngineBuild(path, rollout, _log_path(log_path), lora_rank, url))
+        self.engine = make_engine(kind, EngineBuild(path, rollout, _log_path(log_path), lora_rank, url,
+                                                       shape=shape))
         self.kind = ENGINES[kind]  # what it can do (partial-rollout modes, sync modes, LoRA, attach)
         self.scratch = cache_dir() / "sync" / f"engine-{os.getpid()}"
 
@@ -151,8 +152,13 @@ class EngineActor(Placed):
 
     async def close_admission(self) -> None:
         """Stop admitting new requests (those inside carry on): from here on a request waits for the
-        update under way and is sampled by the new weights."""
-        self.engine.gate.close()
+        update under way and is sampled by the new weights. Only `wait` closes it early: in
+        `abort_resume` and `inflight` a request that starts now is caught by the update with the rest
+        (aborted and continued, or frozen) and carries on under the new weights, each token labelled
+        with its version; closing early would let the running ones finish first and no sample would
+        span the update, which is what those modes are for."""
+        if self.engine.partial == "wait":
+            self.engine.gate.close()
 
     async def update(self, version: int, mode: str, bundle: DirBundle | None = None) -> dict[str, float]:
         """A whole weight update in one call: drain, take the weights (`broadcast`: from the trainer's
@@ -430,10 +436,10 @@ class TrainerActor(Placed):
     """The trainer on its node. `model`: a DirBundle or a path on this node. Nothing it writes is read
     by path elsewhere: weights, adapters and checkpoints leave it as DirBundles."""
 
-    def __init__(self, model: str | DirBundle, algorithm, train, rollout):
+    def __init__(self, model: str | DirBundle, algorithm, train, rollout, shape: dict | None = None):
         from factory.trainer import Trainer
 
-        self.trainer = Trainer(local_dir(model, "trainer model"), algorithm, train, rollout)
+        self.trainer = Trainer(local_dir(model, "trainer model"), algorithm, train, rollout, shape)
         self.bucket_bytes = rollout.bucket_mb << 20
         self.broadcaster: WeightBroadcaster | None = None
         self.plan: BucketPlan | None = None

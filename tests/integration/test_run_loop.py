@@ -94,8 +94,13 @@ def logprobs_under(weights_dir, rows, banned: int):
 def test_partial_rollouts_carry_exact_per_token_versions(engine_back_to_wait, policy, tmp_path, mode):
     """η = 2 with long completions, so weight updates land mid-generation: samples hold tokens of two
     versions, versions never decrease along a sample, and each token's recorded behaviour logprob is
-    the one its own version's weights give (checked against the checkpoint of that version)."""
-    recipe = small_recipe("async.max_staleness=2", f"rollout.partial_rollout={mode}", "train.steps=8",
+    the one its own version's weights give (checked against the checkpoint of that version).
+
+    One group in flight at a time keeps generation the bottleneck, so the engine is busy whenever an
+    update lands: with more, it could finish everything the staleness bound admits before the
+    trainer's step ended, and on a loaded machine no update landed mid-generation (seen in CI)."""
+    recipe = small_recipe("async.max_staleness=2", "async.max_inflight_groups=1",
+                          f"rollout.partial_rollout={mode}", "train.steps=8",
                           "train.checkpoint_every=1", "rollout.max_new_tokens=96", "rollout.min_new_tokens=96",
                           "algorithm.filter_zero_variance=false", "eval.before=false", "eval.after=false")
     results = run(recipe, tmp_path, engines=[engine_back_to_wait])
