@@ -24,6 +24,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
+from factory.threads import Threads
+
 
 class RecipeError(ValueError):
     """A recipe problem a user can fix; `str()` is one line per problem."""
@@ -161,7 +163,8 @@ class RolloutSection(Section):
         "checkpoint; lora: load the trained adapter in place (needs train.lora.enabled)")
     bucket_mb: int = Field(16, gt=0)
     kv_cache_gb: int = Field(2, gt=0)
-    cpus: int = Field(1, gt=0, description="threads for each engine")
+    cpus: Threads = Field("auto", description="CPU threads for each engine; auto: this node's share by the "
+                          "measured rule in factory/threads.py")
     coalesce_ms: float = Field(5.0, ge=0, description="vLLM: prompts arriving this close share one HTTP request")
     keep_sampling_mask: bool = Field(
         False, description="record the sampler's candidate set per token (top-k/top-p survivors) and "
@@ -352,7 +355,8 @@ class TrainSection(Section):
     max_restarts: int = Field(3, ge=0, description="times a crashed run is relaunched from its last checkpoint "
                               "(Dagster's rl_run_recovery sensor)")
     lora: LoraSection = Field(default_factory=LoraSection)
-    threads: int = Field(1, gt=0)
+    threads: Threads = Field("auto", description="the trainer's CPU threads; auto: this node's share by the "
+                             "measured rule in factory/threads.py")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the trainer's weights, activations and optimizer live: auto = cuda when the "
         "trainer's node has a GPU (cuda is untested here: no GPU)")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from factory.lake.schemas import NAMESPACE
+from factory.threads import shape_of
 from factory.types import Batch, Group, Sample, Task
 
 # the columns a Sample needs back
@@ -145,7 +146,7 @@ def replay(run_id: str, catalog=None, namespace: str = NAMESPACE, checkpoint: Pa
     expected = expected_samples(run_id, catalog, namespace)
     last = max(max(batches), max(expected, default=0))
     result = ReplayResult(run_id, 0)
-    trainer = Trainer(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
+    trainer = Trainer(str(policy), recipe.algorithm, recipe.train, recipe.rollout, shape_of(recipe))
     for step in range(1, last + 1):
         version, groups = batches.get(step, (step - 1, []))
         rows = sum(len(g.samples) for g in groups)

@@ -35,6 +35,7 @@ from factory.runtime.deadlines import get_within
 from factory.runtime.evaluation import evaluate_workers
 from factory.runtime.transfer import DirBundle, node_ip
 from factory.runtime.weights import WeightPublisher, connect_broadcast, engine_metrics, publish_weights
+from factory.threads import shape_of
 from factory.throughput import WindowedRate
 
 __all__ = ["StepReport", "connect_broadcast", "engine_metrics", "publish_weights", "run"]
@@ -152,10 +153,12 @@ def _start(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Path, tra
         lora_rank = recipe.train.lora.rank if recipe.train.lora.enabled else 0
         urls: Sequence[str | None] = recipe.rollout.urls or [None] * recipe.rollout.num_engines
         engines = [placed(EngineActor, where.engine).remote(recipe.rollout.engine, policy_ref, recipe.rollout,
-                                                            str(run_dir / f"engine-{i}.log"), lora_rank, url)
+                                                            str(run_dir / f"engine-{i}.log"), lora_rank, url,
+                                                            shape_of(recipe))
                    for i, url in enumerate(urls)]
         created.extend(engines)
-    trainer = placed(TrainerActor, where.trainer).remote(policy_ref, recipe.algorithm, recipe.train, recipe.rollout)
+    trainer = placed(TrainerActor, where.trainer).remote(policy_ref, recipe.algorithm, recipe.train, recipe.rollout,
+                                                         shape_of(recipe))
     # the scoring phase: a teacher grading every trained token (on-policy distillation), if any
     distill = recipe.algorithm.distill
     scorer = (placed(ScorerActor, where.scorer).remote(distill, recipe.rollout, DirBundle.of(distill.teacher, "teacher"))
@@ -262,7 +265,9 @@ def _stop(a: Actors, producing: list, record: RunRecorder, last_step: int) -> di
     return {"buffer": ray.get(a.buffer.metrics.remote()),  # the final counts: every group's fate
             "engine_requests": [m.get("rollout/engine_requests", 0.0) for m in engines],
             "engine_updates": [m.get("weightsync/updates", 0.0) for m in engines],
-            "engine_versions": [m.get("rollout/engine_version") for m in engines]}
+            "engine_versions": [m.get("rollout/engine_version") for m in engines],
+            "threads": {"trainer": ray.get(a.trainer.threads.remote()),  # as resolved (auto) on their nodes
+                        "engines": [m.get("rollout/engine_threads") for m in engines]}}
 
 
 class LoopClock:

@@ -41,12 +41,15 @@ class Trainer:
     this process sees a GPU). The CPU path is what runs and is tested here; the CUDA path moves the
     same tensors to the GPU but no machine of this project has one, so it is untested here."""
 
-    def __init__(self, model_path: str, algorithm, train, rollout):
+    def __init__(self, model_path: str, algorithm, train, rollout, shape: dict | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from factory.devices import resolve_device
 
-        torch.set_num_threads(train.threads)
+        from factory.threads import resolve
+
+        self.threads = resolve(train.threads, "trainer", shape)  # `shape`: the run's, for train.threads=auto
+        torch.set_num_threads(self.threads)
         torch.manual_seed(train.seed)
         self.device = torch.device(resolve_device(train.device))
         self.algorithm = algorithm

@@ -32,6 +32,13 @@ class EngineBuild:
     lora_rank: int = 0
     url: str | None = None  # attach to this running server instead of starting one
     host: str = "127.0.0.1"  # the address a started server binds
+    shape: dict | None = None  # the run's shape, for rollout.cpus=auto (factory/threads.py)
+
+    @property
+    def threads(self) -> int:
+        from factory.threads import resolve
+
+        return resolve(self.rollout.cpus, "engine", self.shape)
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,7 @@ def _vllm(b: EngineBuild):
     lora_args = ["--enable-lora", "--max-lora-rank", str(b.lora_rank), "--max-loras", "1"] if b.lora_rank else []
     server = AttachedServer(b.url) if b.url else None
     return VLLMEngine(b.model_path, dtype=r.dtype, max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb,
-                      threads=r.cpus, log_path=b.log_path, startup_timeout_s=r.startup_timeout_s, server=server,
+                      threads=b.threads, log_path=b.log_path, startup_timeout_s=r.startup_timeout_s, server=server,
                       coalesce_ms=r.coalesce_ms, partial_rollout=r.partial_rollout, extra_args=lora_args,
                       host=b.host, device=r.device)
 
@@ -84,7 +91,7 @@ def _vllm(b: EngineBuild):
 def _hf(b: EngineBuild):
     from factory.rollout.hf import HFEngine
 
-    return HFEngine(b.model_path, threads=b.rollout.cpus)
+    return HFEngine(b.model_path, threads=b.threads)
 
 
 def _sglang(b: EngineBuild):

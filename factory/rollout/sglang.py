@@ -211,7 +211,7 @@ class SGLangEngine(ServerClient):
         if b.lora_rank:
             raise ValueError("train.lora: the SGLang engine does not serve LoRA adapters; use vllm")
         return cls(b.model_path, dtype=r.dtype, max_model_len=r.max_model_len, kv_cache_gb=r.kv_cache_gb,
-                   threads=r.cpus, log_path=b.log_path, startup_timeout_s=r.startup_timeout_s,
+                   threads=b.threads, log_path=b.log_path, startup_timeout_s=r.startup_timeout_s,
                    partial_rollout=r.partial_rollout, host=b.host, device=r.device,
                    coalesce_ms=r.coalesce_ms)
 

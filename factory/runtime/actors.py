@@ -111,8 +111,9 @@ class EngineActor(Placed):
         from factory.rollout.engines import ENGINES
 
         path = local_dir(model, "rollout engine model") if url is None else str(getattr(model, "name", model))
-        self.engine = make_engine(kind, EngineBuild(path, rollout, _log_path(log_path), lora_rank, url,
-                                                       shape=shape))
+        build = EngineBuild(path, rollout, _log_path(log_path), lora_rank, url, shape=shape)
+        self.engine = make_engine(kind, build)
+        self.threads = None if url else build.threads  # an attached server has its own
         self.kind = ENGINES[kind]  # what it can do (partial-rollout modes, sync modes, LoRA, attach)
         self.scratch = cache_dir() / "sync" / f"engine-{os.getpid()}"
 
@@ -178,7 +179,7 @@ class EngineActor(Placed):
         return {"drain_s": t1 - t0, "transfer_s": t2 - t1, "reopen_s": t3 - t2}
 
     async def metrics(self) -> dict[str, float]:
-        return self.engine.metrics()
+        return {**self.engine.metrics(), **({"rollout/engine_threads": self.threads} if self.threads else {})}
 
     async def url(self) -> str | None:
         return getattr(self.engine, "url", None)
@@ -443,6 +444,9 @@ class TrainerActor(Placed):
         self.bucket_bytes = rollout.bucket_mb << 20
         self.broadcaster: WeightBroadcaster | None = None
         self.plan: BucketPlan | None = None
+
+    def threads(self) -> int:
+        return self.trainer.threads
 
     def plan_json(self) -> str:
         from factory.weightsync import BucketPlan

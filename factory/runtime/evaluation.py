@@ -21,6 +21,7 @@ from factory.runtime.actors import EngineActor, EnvWorkerActor, placed
 from factory.runtime.cluster import local_ray
 from factory.runtime.deadlines import Deadline
 from factory.runtime.transfer import DirBundle
+from factory.threads import shape_of
 
 CHUNK = 32  # tasks per call: progress moves every CHUNK episodes
 IN_FLIGHT = 4  # calls per worker at once: CHUNK * IN_FLIGHT episodes in flight, as before in one call
@@ -86,7 +87,8 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "he
         if engines is None:
             phase(f"starting a {recipe.rollout.engine} engine on {checkpoint}")
             engines = [placed(EngineActor, recipe.placement.engine).remote(
-                recipe.rollout.engine, model, recipe.rollout, str(Path(tmp) / "engine.log"))]
+                recipe.rollout.engine, model, recipe.rollout, str(Path(tmp) / "engine.log"),
+                shape=shape_of(recipe, generating_only=True))]
             ray.get([e.start.remote() for e in engines])
         else:
             ray.get([e.update.remote(-1, "disk", model) for e in engines])  # -1: not a version of any run

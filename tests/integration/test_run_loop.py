@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from factory.run import run
+from factory.threads import DEFAULT_SHAPE, available_cores, thread_split
 
 from .conftest import small_recipe
 
@@ -18,8 +19,11 @@ def trained_rows(run_dir):
 
 @pytest.mark.parametrize("eta", [0, 2])
 def test_no_trained_sample_is_older_than_eta(engine, tmp_path, eta):
-    recipe = small_recipe(f"async.max_staleness={eta}", "train.steps=5", "eval.before=false")
+    recipe = small_recipe(f"async.max_staleness={eta}", "train.steps=5", "eval.before=false", "train.threads=auto")
     results = run(recipe, tmp_path, engines=[engine])
+    # the trainer's thread budget resolved on its node for this run's shape (η = 0: it trains alone)
+    assert results["threads"]["trainer"] == thread_split(available_cores(), 1, eta)[0]
+    assert results["threads"]["engines"] == [thread_split(available_cores(), **DEFAULT_SHAPE)[1]]  # built outside
 
     rows = trained_rows(tmp_path)
     assert results["samples_trained"] == len(rows) > 0
