@@ -55,7 +55,13 @@ def ensure_tables(catalog: Catalog, namespace: str = NAMESPACE) -> dict[str, Tab
     its columns that the table lacks (added as optional: existing rows hold NULL there) and its
     partition fields (new data is partitioned by them; old files stay as they are).
     """
-    catalog.create_namespace_if_not_exists(namespace)
+    try:
+        catalog.create_namespace_if_not_exists(namespace)
+    except Exception:
+        # the SQL catalog checks, then inserts: two first writers at once both insert, and the loser
+        # gets the database's unique-key error (seen on Postgres) rather than "already exists"
+        if (namespace,) not in catalog.list_namespaces():
+            raise
     tables = {}
     for name, spec in TABLES.items():
         identifier = (namespace, name)

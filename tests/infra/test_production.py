@@ -127,7 +127,10 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
         assert client.wait_for_run(sweeps[user], 180)["status"] == "SUCCESS"
 
     # wait until bob's run has a checkpoint and the lake holds a later step, then kill -9 the
-    # daemon and that run's worker (the process executing the RL run)
+    # daemon and that run's worker (the process executing the RL run) at once. The lake probe takes
+    # seconds, and the run may write its next checkpoint meanwhile (seen: killed at lake step 9
+    # with checkpoint 9 just written, so nothing was past it): the checkpoint is read before and
+    # after the probe, and only an unchanged one counts.
     in_bob = [{"key": "factory/sweep_run_id", "value": sweeps["bob"]}]
     deadline = time.monotonic() + 900
     while True:
@@ -136,19 +139,19 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
         if runs and runs[0]["status"] == "STARTED":
             killed = runs[0]
             key = killed["tags"]["dagster/partition"]
+            pid, state = worker_pid(bob, killed["runId"]), stack.state()
             checkpoint = latest_checkpoint(stack.home / "runs" / key)
-            if checkpoint is not None and samples_of(stack, key)[2] > checkpoint_step(checkpoint):
+            if (checkpoint is not None and samples_of(stack, key)[2] > checkpoint_step(checkpoint)
+                    and latest_checkpoint(stack.home / "runs" / key) == checkpoint):
                 break
         assert time.monotonic() < deadline, "bob's run never got past a checkpoint"
-        time.sleep(2)
-    pid = worker_pid(bob, killed["runId"])
-    state = stack.state()
+        time.sleep(0.5)
     assert pid in {p.pid for p in psutil.Process(state["supervisor"]).children(recursive=True)}  # ours to kill
     daemon = state["services"]["dagster_daemon"]["pid"]
-    position_at_kill = samples_of(stack, key)[2]
     killed_at = datetime.now(UTC)
     os.kill(daemon, signal.SIGKILL)
     os.kill(pid, signal.SIGKILL)
+    position_at_kill = samples_of(stack, key)[2]  # the worker is gone: nothing commits after this
 
     # the supervisor restarts the daemon; run monitoring (in the new daemon) marks the run failed;
     # rl_run_recovery relaunches it from the checkpoint
