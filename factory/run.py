@@ -28,11 +28,12 @@ from factory.model.sft import ensure_base_policy
 from factory.recipe import Recipe
 from factory.recording import RunRecorder
 from factory.runtime.actors import (
-    BufferActor, EngineActor, EnvWorkerActor, ScorerActor, TrainerActor, killed_on_error, placed,
+    BufferActor, EngineActor, EnvWorkerActor, ScorerActor, killed_on_error, placed,
 )
 from factory.runtime.cluster import check_placement, local_ray
 from factory.runtime.deadlines import get_within
 from factory.runtime.evaluation import evaluate_workers
+from factory.runtime.trainers import start_trainer
 from factory.runtime.transfer import DirBundle, node_ip
 from factory.runtime.weights import WeightPublisher, connect_broadcast, engine_metrics, publish_weights
 from factory.threads import shape_of
@@ -145,7 +146,8 @@ def _start(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Path, tra
     """Place and start the engines, trainer, scorer and buffer (killed if the run fails: `created`)."""
     where = recipe.placement
     check_placement(where, engines=recipe.rollout.num_engines if engines is None else 0,
-                    env_workers=recipe.environment.workers, scorer=bool(recipe.algorithm.distill.teacher))
+                    env_workers=recipe.environment.workers, scorer=bool(recipe.algorithm.distill.teacher),
+                    trainer_ranks=recipe.train.ranks)
     # every role gets the policy over the network: no node may assume another's disk
     policy_ref = ray.put(DirBundle.of(policy, "policy", exclude=("trainer.pt",)))
     own_engines = engines is None
@@ -157,15 +159,15 @@ def _start(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Path, tra
                                                             shape_of(recipe))
                    for i, url in enumerate(urls)]
         created.extend(engines)
-    trainer = placed(TrainerActor, where.trainer).remote(policy_ref, recipe.algorithm, recipe.train, recipe.rollout,
-                                                         shape_of(recipe))
+    trainer, trainer_ranks = start_trainer(policy_ref, recipe, shape_of(recipe), where.trainer)
+    created.extend(trainer_ranks)
     # the scoring phase: a teacher grading every trained token (on-policy distillation), if any
     distill = recipe.algorithm.distill
     scorer = (placed(ScorerActor, where.scorer).remote(distill, recipe.rollout, DirBundle.of(distill.teacher, "teacher"))
               if distill.teacher else None)
     buffer = placed(BufferActor, where.buffer).remote(recipe.name, train_tasks, recipe.async_, recipe.train,
                                                       recipe.algorithm, recipe.failures, record.keeps_all_samples)
-    created.extend(x for x in (trainer, scorer, buffer) if x is not None)
+    created.extend(x for x in (scorer, buffer) if x is not None)
     if record.keeps_all_samples:  # a failing run still records what it generated (failed groups too)
         created.before_kill.append(lambda: record.log_discarded(
             record.step, *ray.get(buffer.take_discarded.remote(unused=True), timeout=30)))

@@ -1,5 +1,12 @@
 """The trainer: fresh logprobs -> registry loss -> AdamW step; checkpoints; weights for sync.
 
+A step is lean: logprobs of completion positions only, through the output layer in checkpointed
+chunks (`factory.model.logprobs`); bf16 mixed precision (`train.precision`); activation
+checkpointing; micro-batches of similar length under a token budget whose gradients add up to the
+whole batch's update for every aggregation. With `train.ranks` > 1 this same class is one rank of
+an FSDP2 group (`factory.parallel`): each rank takes its share of the batch by tokens, and weights
+leave it gathered one tensor at a time.
+
 It knows no algorithm: the advantage estimator, the policy loss, the off-policy corrections and the
 version-spread gate are looked up by the names in the recipe's `algorithm` section and chained by
 `factory.algo.policy_objective`. It knows no runtime either: `runtime/` wraps it in a Ray actor.
@@ -7,9 +14,11 @@ version-spread gate are looked up by the names in the recipe's `algorithm` secti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +37,9 @@ from factory.algo import (
     overlong_penalty,
     policy_objective,
 )
+from factory.algo.losses import aggregation_denominator
 from factory.model.logprobs import completion_logprobs, pad_samples, to_device
+from factory.parallel import all_reduce_sum, padding_share, plan_micro_batches, step_metrics_merge
 from factory.types import Batch, Sample
 
 if TYPE_CHECKING:
@@ -36,12 +47,42 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
+# the tensors a forward pass reads (FSDP's mixed precision casts the floating inputs of the root's forward)
+FORWARD_KEYS = ("input_ids", "attention_mask", "prompt_lens", "completion_lens", "t_max", "support")
+
+
+class PolicyLogprobs(torch.nn.Module):
+    """The module a step calls, and FSDP's root: a causal LM's completion logprobs (see
+    `completion_logprobs`). Its forward runs the LM's body and output layer, so the root's hooks
+    gather the embeddings, final norm and output layer around them."""
+
+    def __init__(self, lm, temperature: float, chunk_tokens: int):
+        super().__init__()
+        self.lm = lm
+        self.temperature = temperature
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, tensors: dict[str, Any]) -> torch.Tensor:
+        return completion_logprobs(self.lm, tensors, self.temperature, self.chunk_tokens)
+
+
+def resolve_precision(wanted: str, device: torch.device) -> str:
+    """auto -> bf16 on CUDA, fp32 on CPU (bitwise resume/replay there, and no fast bf16 on this CPU)."""
+    if wanted == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return wanted
+
+
 class Trainer:
     """`train.device` decides where the weights, activations and optimizer state live (auto: CUDA when
     this process sees a GPU). The CPU path is what runs and is tested here; the CUDA path moves the
-    same tensors to the GPU but no machine of this project has one, so it is untested here."""
+    same tensors to the GPU and was checked on a lent GPU only where the README says so.
 
-    def __init__(self, model_path: str, algorithm, train, rollout, shape: dict | None = None):
+    `rank`/`world_size`: this trainer's place in an FSDP2 group whose default process group the
+    caller has formed (`factory.parallel.init_trainer_group`); 1 rank is the plain path."""
+
+    def __init__(self, model_path: str, algorithm, train, rollout, shape: dict | None = None,
+                 rank: int = 0, world_size: int = 1):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from factory.devices import resolve_device
@@ -51,7 +92,11 @@ class Trainer:
         self.threads = resolve(train.threads, "trainer", shape)  # `shape`: the run's, for train.threads=auto
         torch.set_num_threads(self.threads)
         torch.manual_seed(train.seed)
+        self.rank, self.world_size = rank, world_size
         self.device = torch.device(resolve_device(train.device))
+        if self.device.type == "cuda" and world_size > 1:
+            torch.cuda.set_device(0)  # each rank's actor sees its own GPU as device 0 (Ray sets CUDA_VISIBLE_DEVICES)
+        self.precision = resolve_precision(train.precision, self.device)
         self.algorithm = algorithm
         self.train_cfg = train
         self.temperature = rollout.temperature
@@ -66,14 +111,29 @@ class Trainer:
             self.model = get_peft_model(self.model, LoraConfig(
                 r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=list(lc.target_modules),
                 bias="none", task_type="CAUSAL_LM"))
+        checkpointing = train.activation_checkpointing
+        if checkpointing == "auto":
+            checkpointing = self.device.type == "cuda"
+        if checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.to(self.device).train()  # type: ignore[arg-type]  # transformers types .to as the unbound Module.to
+        self.policy = PolicyLogprobs(self.model, rollout.temperature, train.logprob_chunk_tokens)
         self.ref_model = None
+        self.ref_policy: PolicyLogprobs | None = None
         if algorithm.kl_coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             self.ref_model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to as the unbound Module.to
             self.ref_model.requires_grad_(False)
+            self.ref_policy = PolicyLogprobs(self.ref_model, rollout.temperature, train.logprob_chunk_tokens)
+        if world_size > 1:
+            from factory.parallel import parallelize
+
+            parallelize(self.policy, self.model, world_size, self.device.type, self.precision == "bf16")
+            if self.ref_policy is not None:
+                parallelize(self.ref_policy, self.ref_model, world_size, self.device.type, self.precision == "bf16")
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
-                                           weight_decay=train.weight_decay, betas=tuple(train.betas))
+                                           weight_decay=train.weight_decay, betas=tuple(train.betas),
+                                           fused=self.device.type == "cuda" or None)
         # one source per setting: each config copies the recipe section's fields of the same names
         self.loss_cfg = from_section(LossConfig, algorithm, max_tokens=rollout.max_new_tokens)
         self.objective = from_section(ObjectiveConfig, algorithm, loss_cfg=self.loss_cfg, corrections=[
@@ -102,49 +162,99 @@ class Trainer:
                                                  self.algorithm.overlong_penalty)
         return rewards
 
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        t0 = time.perf_counter()
-        samples = batch.samples
+    def _autocast(self):
+        """bf16 compute for the plain path (FSDP casts through its mixed-precision policy instead)."""
+        if self.precision == "bf16" and self.world_size == 1:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _forward(self, policy: PolicyLogprobs, tensors: dict[str, Any]) -> torch.Tensor:
+        with self._autocast():
+            return policy({k: tensors[k] for k in FORWARD_KEYS if k in tensors})
+
+    def _micro_loss(self, samples: list[Sample], adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+        """The objective of one micro-batch, aggregated over it alone: (loss, metrics, mask kept)."""
         tensors = to_device(pad_samples(samples, self.tokenizer.pad_token_id), self.device)
-        shaped = self.shaped_rewards(samples, tensors["sampled_lens"])
-        adv = self.advantages(batch, shaped)
+        adv = adv.to(self.device)
         if any(s.teacher_logprobs for s in samples):  # graded by a teacher (scoring phase): distillation
             adv = distillation_advantages(adv, samples, tensors["old_logp"], tensors["mask"],
                                           self.algorithm.distill.coef)
-        t_forward = time.perf_counter()
-        logp = completion_logprobs(self.model, tensors, self.temperature)
+        logp = self._forward(self.policy, tensors)
         # per-token staleness is measured against the policy being trained (= batch.version in run.py)
         ctx = LossContext(behaviour_logp=tensors["old_logp"], versions=tensors["versions"],
                           trainer_version=self.version, truncated=tensors["truncated"])
         loss, out, mask = policy_objective(logp, adv, tensors["mask"], ctx, self.objective)
-        if self.ref_model is not None:
+        if self.ref_policy is not None:
             with torch.no_grad():
-                ref_logp = completion_logprobs(self.ref_model, tensors, self.temperature)
+                ref_logp = self._forward(self.ref_policy, tensors)
             kl = aggregate(kl_penalty(logp, ref_logp, self.algorithm.kl_estimator), mask, self.algorithm.aggregation,
                            self.loss_cfg.max_tokens)
             loss = loss + self.algorithm.kl_coef * kl
             out["train/kl_ref"] = float(kl.detach())
+        with torch.no_grad():
+            sampled = tensors["mask"]
+            diff = (logp.detach() - tensors["old_logp"]).abs() * sampled
+        out["train/loss"] = float(loss.detach())
+        out["train/logprob_abs_diff"] = float(diff.sum() / sampled.sum().clamp(min=1))
+        return loss, out, mask
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on the batch. Micro-batches (and ranks) each aggregate over their own
+        samples; their gradients are summed as agg_m * den_m and divided by the whole batch's
+        denominator sum_m den_m (`aggregation_denominator`), which equals the whole batch's
+        aggregate for every aggregation. One micro-batch on one rank is the plain loss.backward()."""
+        t0 = time.perf_counter()
+        samples = batch.samples
+        shaped = self.shaped_rewards(samples, torch.tensor([sum(s.loss_mask) for s in samples]))
+        adv = self.advantages(batch, shaped)
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+        plan = plan_micro_batches(lengths, self.world_size, self.train_cfg.micro_batch_tokens)
+        mine, n_micro = plan[self.rank], max(len(p) for p in plan)
+        plain = n_micro == 1 and self.world_size == 1
         self.optimizer.zero_grad(set_to_none=True)
-        t_backward = time.perf_counter()
-        loss.backward()
+        parts: list[dict[str, float]] = []
+        den_sum = kept_sum = 0.0
+        t_forward = time.perf_counter()
+        forward_s = backward_s = 0.0
+        for m in range(n_micro):
+            # a rank with fewer micro-batches repeats one at weight 0: FSDP needs every rank in every pass
+            idx, weight = (mine[m], 1.0) if m < len(mine) else ((mine or [[0]])[0], 0.0)
+            tf = time.perf_counter()
+            loss, out, mask = self._micro_loss([samples[i] for i in idx], adv[idx])
+            den = float(aggregation_denominator(mask, self.algorithm.aggregation))
+            tb = time.perf_counter()
+            (loss if plain else loss * (max(den, 1.0) * weight)).backward()
+            forward_s += tb - tf
+            backward_s += time.perf_counter() - tb
+            if weight:
+                parts.append({**out, "train/objective_weight": den})
+                den_sum += den
+                kept_sum += float((mask > 0).sum())
+        den_all, kept_all = all_reduce_sum([den_sum, kept_sum], self.device)
+        if not plain:  # FSDP averaged the ranks' gradients: x world_size / the whole batch's denominator
+            scale = self.world_size / max(den_all, 1.0)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         t_optimizer = time.perf_counter()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                                   self.train_cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         t_done = time.perf_counter()
         self.version += 1
 
-        with torch.no_grad():
-            sampled = tensors["mask"]
-            diff = (logp.detach() - tensors["old_logp"]).abs() * sampled
+        out = step_metrics_merge(parts) if parts else {}
         staleness = batch.staleness()
         rewards = [s.reward for s in samples]
         out.update({
-            "train/loss": float(loss.detach()),
             "train/grad_norm": float(grad_norm),
-            "train/logprob_abs_diff": float(diff.sum() / sampled.sum().clamp(min=1)),
-            "train/tokens": float(mask.sum()),
+            "train/tokens": kept_all,
             "train/samples": float(len(samples)),
             "train/version": float(self.version),
+            "train/micro_batches": float(n_micro),
+            "train/padding_share": padding_share(plan, lengths),
             "rollout/reward_mean": sum(rewards) / len(rewards),
             "rollout/completion_len": sum(len(s.completion_ids) for s in samples) / len(samples),
             "staleness/mean": sum(staleness) / len(staleness),
@@ -152,11 +262,11 @@ class Trainer:
         })
         if self.algorithm.overlong_buffer:
             out["rollout/overlong_penalty_mean"] = float((shaped.cpu() - torch.tensor(rewards)).mean())
-        if not math.isfinite(out["train/loss"]):
+        if not math.isfinite(out.get("train/loss", 0.0)):
             raise FloatingPointError(f"non-finite loss at step {self.version}: {out}")
         # where the step's time went (bench/step_anatomy.py): batch prep, forward (+ reference), backward, optimizer
-        out.update({"perf/trainer_prepare_s": t_forward - t0, "perf/trainer_forward_s": t_backward - t_forward,
-                    "perf/trainer_backward_s": t_optimizer - t_backward, "perf/trainer_optimizer_s": t_done - t_optimizer})
+        out.update({"perf/trainer_prepare_s": t_forward - t0, "perf/trainer_forward_s": forward_s,
+                    "perf/trainer_backward_s": backward_s, "perf/trainer_optimizer_s": t_done - t_optimizer})
         self.busy_s += time.perf_counter() - t0
         out["perf/trainer_step_s"] = time.perf_counter() - t0
         return out
@@ -165,28 +275,43 @@ class Trainer:
     def logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """The current policy's logprob of every completion token of each sample (tests, scoring)."""
         tensors = to_device(pad_samples(samples, self.tokenizer.pad_token_id), self.device)
-        logp = completion_logprobs(self.model, tensors, self.temperature).cpu()
+        logp = self._forward(self.policy, tensors).cpu()
         return [logp[i, : len(s.completion_ids)].tolist() for i, s in enumerate(samples)]
 
     # ---- weights out -------------------------------------------------------------------------
 
-    def _full_model(self):
-        """The policy as a plain HF model: with LoRA, a merged copy (the trained model is untouched)."""
-        if not self.lora:
-            return self.model
-        import copy
+    def _lora_scaling(self) -> float:
+        return float(self.train_cfg.lora.alpha) / float(self.train_cfg.lora.rank)
 
-        return copy.deepcopy(self.model).merge_and_unload()
+    def weight_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's weights under their Hugging Face names (what vLLM's loaders expect), one at a
+        time, LoRA merged in. Sharded weights are gathered one tensor at a time, so no rank ever
+        holds a second full copy — and every rank must walk this iterator together."""
+        from factory.parallel import full_tensors
+
+        items = full_tensors(self.model.state_dict().items())
+        yield from merge_lora(items, self._lora_scaling()) if self.lora else items
+
+    def weight_shapes(self) -> list[tuple[str, list[int]]]:
+        """(name, shape) of `weight_items`, in its order, without gathering or computing anything."""
+        meta = ((k, torch.empty(v.shape, dtype=v.dtype, device="meta")) for k, v in self.model.state_dict().items())
+        items = merge_lora(meta, self._lora_scaling()) if self.lora else meta
+        return [(k, list(v.shape)) for k, v in items]
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """Parameters under their Hugging Face names (what vLLM's loaders expect)."""
-        return {k: v.detach() for k, v in self._full_model().state_dict().items()}
+        """`weight_items` as a dict (one full copy: for tests and replay on one rank)."""
+        return dict(self.weight_items())
 
     def save_hf(self, out_dir: str | Path) -> Path:
-        """A servable HF model dir (LoRA merged in)."""
+        """A servable HF model dir (LoRA merged in). Every rank calls it; rank 0 writes."""
         out = Path(out_dir)
-        self._full_model().save_pretrained(out)
-        self.tokenizer.save_pretrained(out)
+        if self.world_size == 1 and not self.lora:
+            self.model.save_pretrained(str(out))
+        else:
+            base: Any = self.model.get_base_model() if self.lora else self.model  # type: ignore[operator]  # PEFT's, when LoRA
+            save_hf_streaming(self.weight_items(), out, base.config if self.rank == 0 else None)
+        if self.rank == 0:
+            self.tokenizer.save_pretrained(out)
         return out
 
     def save_adapter(self, out_dir: str | Path) -> Path:
@@ -194,22 +319,50 @@ class Trainer:
         if not self.lora:
             raise ValueError("save_adapter: train.lora.enabled is false; there is no adapter")
         out = Path(out_dir)
-        self.model.save_pretrained(str(out))
+        if self.world_size == 1:
+            self.model.save_pretrained(str(out))
+            return out
+        from peft.utils import get_peft_model_state_dict
+
+        from factory.parallel import full_tensors
+
+        # the adapter's tensors gathered (every rank), then written by rank 0 in PEFT's layout
+        adapter = dict(full_tensors(get_peft_model_state_dict(self.model).items()))  # type: ignore[arg-type]
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            out.mkdir(parents=True, exist_ok=True)
+            self.model.peft_config["default"].save_pretrained(str(out))
+            save_file({k: v.contiguous().cpu() for k, v in adapter.items()}, str(out / "adapter_model.safetensors"),
+                      metadata={"format": "pt"})
         return out
 
     # ---- checkpoints -------------------------------------------------------------------------
 
     def save_checkpoint(self, out_dir: str | Path, extra: dict[str, Any]) -> Path:
-        """Model (HF format, servable), optimizer, version and the caller's state (sampler, buffer)."""
+        """Model (HF format, servable), optimizer, version and the caller's state (sampler, buffer).
+
+        One rank: `trainer.pt` holds the optimizer. Several: `dcp/` holds model and optimizer as
+        torch.distributed.checkpoint shards (each rank writes its own; the caller gathers the ranks'
+        directories into one), which any number of ranks — one included — can load."""
         out = Path(out_dir)
         tmp = out.with_name(out.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
+        state: dict[str, Any] = {"version": self.version, "rng": torch.get_rng_state()}
+        if self.world_size > 1:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        else:
+            state["optimizer"] = self.optimizer.state_dict()
         self.save_hf(tmp)
         if self.lora:
             self.save_adapter(tmp / "adapter")
-        torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version,
-                    "rng": torch.get_rng_state()}, tmp / "trainer.pt")
-        (tmp / "state.json").write_text(json.dumps({"version": self.version, **extra}))
+        if self.rank == 0:
+            torch.save(state, tmp / "trainer.pt")
+            (tmp / "state.json").write_text(json.dumps({"version": self.version, "ranks": self.world_size, **extra}))
         if out.exists():
             import shutil
 
@@ -218,21 +371,121 @@ class Trainer:
         return out
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> dict[str, Any]:
-        """Continue from a checkpoint: weights (the adapter alone with LoRA: the base stays the original
-        policy this trainer was built on, as does the KL reference), optimizer, version and RNG state."""
-        from transformers import AutoModelForCausalLM
-
+        """Continue from a checkpoint written by any number of ranks: weights (the adapter alone with
+        LoRA: the base stays the original policy this trainer was built on, as does the KL
+        reference), optimizer, version and RNG state."""
         ckpt = Path(ckpt_dir)
-        if self.lora:  # the base stays frozen; only the adapter was trained
-            from peft import load_peft_weights, set_peft_model_state_dict
+        state = torch.load(ckpt / "trainer.pt", weights_only=False, map_location="cpu")
+        if (ckpt / "dcp").is_dir():  # sharded: resharded onto however many ranks load it
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-            set_peft_model_state_dict(self.model, load_peft_weights(str(ckpt / "adapter")))
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt / "dcp"))
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        elif self.world_size > 1:  # a one-rank checkpoint onto several ranks
+            self._load_full_checkpoint(ckpt, state["optimizer"])
         else:
-            self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict())
-            self.model.to(self.device)  # type: ignore[arg-type]  # transformers types .to as the unbound Module.to
-        state = torch.load(ckpt / "trainer.pt", weights_only=False, map_location=self.device)
-        self.optimizer.load_state_dict(state["optimizer"])
+            from transformers import AutoModelForCausalLM
+
+            if self.lora:  # the base stays frozen; only the adapter was trained
+                from peft import load_peft_weights, set_peft_model_state_dict
+
+                set_peft_model_state_dict(self.model, load_peft_weights(str(ckpt / "adapter")))
+            else:
+                self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict())
+                self.model.to(self.device)  # type: ignore[arg-type]  # transformers types .to as the unbound Module.to
+            self.optimizer.load_state_dict(state["optimizer"])
         self.version = state["version"]
         if "rng" in state:
             torch.set_rng_state(state["rng"].cpu())
         return json.loads((ckpt / "state.json").read_text())
+
+    def _load_full_checkpoint(self, ckpt: Path, optimizer_state: dict[str, Any]) -> None:
+        """A one-rank checkpoint (HF weights + an optimizer state keyed by parameter index) into this
+        rank's shards, through full state dicts keyed by parameter name."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict,
+        )
+        from transformers import AutoModelForCausalLM
+
+        if self.lora:
+            raise ValueError(f"{ckpt}: resuming a one-rank LoRA checkpoint on {self.world_size} ranks is not "
+                             "supported; resume it with train.ranks=1")
+        full = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict()
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, full, options=options)
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        by_name: dict[str, Any] = {"state": {names[i]: v for i, v in optimizer_state["state"].items()},
+                   "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                    for g in optimizer_state["param_groups"]]}
+        set_optimizer_state_dict(self.model, self.optimizer, by_name, options=options)
+
+
+def merge_lora(items, scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """A PEFT LoRA model's state dict, streamed, as the merged model's: `W + (B @ A) * scaling` under
+    the base layer's name (what `merge_and_unload` computes), other weights renamed out of PEFT's
+    wrapping. Holds at most one layer's base weight while it waits for the layer's A and B."""
+    prefix = "base_model.model."
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in items:
+        name = name.removeprefix(prefix)
+        if ".lora_A." in name or ".lora_B." in name:
+            module, part = name.split(".lora_A." if ".lora_A." in name else ".lora_B.")[0], name
+            key = "A" if ".lora_A." in part else "B"
+        elif name.endswith(".base_layer.weight"):
+            module, key = name.removesuffix(".base_layer.weight"), "W"
+        else:
+            yield name.replace(".base_layer.", "."), t
+            continue
+        parts = waiting.setdefault(module, {})
+        parts[key] = t
+        if len(parts) == 3:
+            del waiting[module]
+            yield f"{module}.weight", parts["W"] + (parts["B"] @ parts["A"]) * scaling
+    if waiting:
+        raise ValueError(f"LoRA layers without base, A and B weights: {sorted(waiting)}")
+
+
+def save_hf_streaming(items, out: Path, config, shard_bytes: int = 2 << 30) -> None:
+    """Write `items` as a Hugging Face safetensors model (shards of `shard_bytes` written as they
+    fill, with an index past one) when `config` is given; otherwise only walk them (the other ranks'
+    part of the gathers)."""
+    from safetensors.torch import save_file
+
+    if config is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        path = out / f"part-{len(written):05d}.safetensors"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        written.append((path, list(shard)))
+        shard.clear()
+
+    for name, t in items:
+        if config is None:
+            continue
+        nbytes = t.numel() * t.element_size()
+        if shard and size + nbytes > shard_bytes:
+            flush()
+            size = 0
+        shard[name] = t.detach().to("cpu", copy=True).contiguous()  # its own storage: tied weights share one
+        size += nbytes
+        total += nbytes
+    if config is None:
+        return
+    flush()
+    if len(written) == 1:
+        written[0][0].rename(out / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, (path, names) in enumerate(written):
+            fname = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+            path.rename(out / fname)
+            weight_map.update(dict.fromkeys(names, fname))
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    config.save_pretrained(out)

@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -90,6 +90,17 @@ def pack_bucket(plan: BucketPlan, i: int, tensors: dict[str, torch.Tensor], out:
             out[offset : offset + n].copy_(tensors[name].detach().reshape(-1))  # casts in place
             offset += n
     return out
+
+
+def _take_bucket(plan: BucketPlan, i: int, pairs: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The next bucket's worth of (name, tensor) pairs, which must come in the plan's order."""
+    taken = {}
+    for want, _ in plan.buckets[i]:
+        name, t = next(pairs)
+        if name != want:
+            raise RuntimeError(f"weights out of the plan's order: expected {want!r}, got {name!r}")
+        taken[name] = t
+    return taken
 
 
 def unpack_bucket(plan: BucketPlan, i: int, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -189,8 +200,10 @@ class WeightBroadcaster:
         self.group, _ = make_weight_group(self.host, self.port, 0, self.world_size, local_host=self.host,
                                           backend=self.backend, store=self._store, timeout_s=self.timeout_s)
 
-    def stage(self, plan: BucketPlan, tensors: dict[str, torch.Tensor]) -> int:
-        """Copy `tensors` into the staging buckets and start sending them; returns the bytes it sends."""
+    def stage(self, plan: BucketPlan, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy `tensors` into the staging buckets and start sending them; returns the bytes it sends.
+        `tensors`: a mapping, or (name, tensor) pairs in the plan's order — a sharded trainer's gathered
+        weights, of which one bucket's worth is alive at a time."""
         if self.group is None:
             raise RuntimeError("WeightBroadcaster: broadcast before connect()")
         self.wait()
@@ -198,8 +211,9 @@ class WeightBroadcaster:
             device = sync_device(self.backend)
             self._staged = [torch.empty(plan.bucket_numel(i), dtype=DTYPES[plan.dtype], device=device)
                             for i in range(len(plan.buckets))]
+        pairs = None if isinstance(tensors, Mapping) else iter(tensors)
         for i, buf in enumerate(self._staged):
-            pack_bucket(plan, i, tensors, out=buf)
+            pack_bucket(plan, i, tensors if pairs is None else _take_bucket(plan, i, pairs), out=buf)  # type: ignore[arg-type]
         self._thread = threading.Thread(target=self._send, name="factory-weight-broadcast", daemon=True)
         self._thread.start()
         return sum(b.numel() * b.element_size() for b in self._staged)
@@ -222,7 +236,7 @@ class WeightBroadcaster:
             err, self._error = self._error, None
             raise RuntimeError(f"the weight broadcast failed: {type(err).__name__}: {err}") from err
 
-    def broadcast(self, plan: BucketPlan, tensors: dict[str, torch.Tensor]) -> int:
+    def broadcast(self, plan: BucketPlan, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         sent = self.stage(plan, tensors)
         self.wait()
         return sent

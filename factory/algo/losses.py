@@ -66,12 +66,28 @@ AggregationFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 AGGREGATIONS: Registry[AggregationFn] = Registry("aggregation")
 
+# What each aggregation divides by, as a function of the mask: an aggregation is (a sum of per-sample
+# terms) / denominator, so a batch split into micro-batches (or across trainer ranks) is reassembled
+# exactly as sum_m agg_m * den_m / sum_m den_m (`factory.trainer`). A new aggregation registers one.
+AGGREGATION_DENOMINATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 
-def _register_aggregation(name: str) -> Callable[[AggregationFn], AggregationFn]:
+
+def _register_aggregation(name: str, denominator: Callable[[torch.Tensor], torch.Tensor]
+                          ) -> Callable[[AggregationFn], AggregationFn]:
     def register(fn: AggregationFn) -> AggregationFn:
+        AGGREGATION_DENOMINATORS[name] = denominator
         return AGGREGATIONS.register(name, fn)
 
     return register
+
+
+def aggregation_denominator(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """The count `aggregate(x, mask, mode)` divides by (before its clamp at 1), as a float scalar:
+    counted tokens (token_mean), sequences with a counted token (seq_mean_token_mean), or rows
+    (seq_mean_token_sum)."""
+    if mode not in AGGREGATION_DENOMINATORS:
+        raise ValueError(f"aggregation {mode!r} has no registered denominator; micro-batches need one")
+    return AGGREGATION_DENOMINATORS[mode](mask).to(torch.float64)
 
 
 def _masked(per_token: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +98,7 @@ def _masked(per_token: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     return torch.where(keep, per_token, torch.zeros_like(per_token)), keep
 
 
-@_register_aggregation("token_mean")
+@_register_aggregation("token_mean", lambda mask: (mask > 0).sum())
 def token_mean(per_token: torch.Tensor, mask: torch.Tensor, max_tokens: int = 0) -> torch.Tensor:
     """Mean over every counted token of the batch: sum_{b,t} m*x / sum_{b,t} m.
 
@@ -92,7 +108,7 @@ def token_mean(per_token: torch.Tensor, mask: torch.Tensor, max_tokens: int = 0)
     return values.sum() / keep.sum().clamp_min(1)
 
 
-@_register_aggregation("seq_mean_token_mean")
+@_register_aggregation("seq_mean_token_mean", lambda mask: ((mask > 0).sum(dim=1) > 0).sum())
 def seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, max_tokens: int = 0) -> torch.Tensor:
     """Mean over sequences of each sequence's token mean: mean_b (sum_t m*x / sum_t m).
 
@@ -106,7 +122,7 @@ def seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, max_tokens:
     return (seq_means * has_tokens).sum() / has_tokens.sum().clamp_min(1)
 
 
-@_register_aggregation("seq_mean_token_sum")
+@_register_aggregation("seq_mean_token_sum", lambda mask: torch.tensor(mask.shape[0]))
 def seq_mean_token_sum(per_token: torch.Tensor, mask: torch.Tensor, max_tokens: int = 0) -> torch.Tensor:
     """Mean over sequences of each sequence's token sum over a constant: mean_b (sum_t m*x / L).
 

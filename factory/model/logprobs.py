@@ -1,19 +1,30 @@
 """Token logprobs of completions under a causal LM, from Samples: what the trainer optimises and what
 a scorer (e.g. a distillation teacher, factory/scoring.py) grades with. Shared here so neither of
-those imports the other."""
+those imports the other.
+
+Lean by construction: the model's body runs once, then only the hidden states of completion
+positions go through the output layer, `chunk_tokens` rows at a time, each chunk under activation
+checkpointing (its backward recomputes the chunk's logits). A `[B, T, V]` float32 tensor never
+exists: at vocabulary 151,936 and 16 × 1,024 tokens that tensor alone is 10 GB, and the naive
+path held three of them.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from factory.types import NOT_SAMPLED, Sample
+
+DEFAULT_CHUNK_TOKENS = 1024
 
 
 def pad_samples(samples: list[Sample], pad_id: int) -> dict[str, Any]:
     """Right-padded [B, L] inputs plus completion-aligned [B, T] behaviour logprobs, mask and
-    versions (NOT_SAMPLED at padding), [B] truncation flags and [B] sampled-token counts; `t_max`: T, an int."""
+    versions (NOT_SAMPLED at padding), [B] truncation flags, [B] sampled-token counts and [B]
+    completion lengths; `t_max`: T, an int."""
     width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     t_max = max(len(s.completion_ids) for s in samples)
     n = len(samples)
@@ -34,6 +45,7 @@ def pad_samples(samples: list[Sample], pad_id: int) -> dict[str, Any]:
         prompt_lens.append(len(s.prompt_ids))
     out = {"input_ids": ids, "attention_mask": attn, "old_logp": old_logp, "mask": mask,
            "prompt_lens": torch.tensor(prompt_lens), "t_max": t_max, "versions": versions,
+           "completion_lens": torch.tensor([len(s.completion_ids) for s in samples]),
            "truncated": torch.tensor([s.finish_reason == "length" for s in samples]),
            "sampled_lens": torch.tensor([sum(s.loss_mask) for s in samples])}
     k_max = max((len(c) for s in samples for c in s.support), default=0)
@@ -47,8 +59,39 @@ def pad_samples(samples: list[Sample], pad_id: int) -> dict[str, Any]:
     return out
 
 
-def completion_logprobs(model, tensors: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
-    """[B, T] logprob of each completion token under `model` (logits / temperature).
+def _body_and_head(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """(the last hidden states [B, L, H], the output layer) of a Hugging Face causal LM (PEFT-wrapped
+    or not); a module without a separate body (a test's logit table) gives its logits and identity."""
+    get_body = getattr(model, "get_decoder", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    body = get_body() if get_body is not None else None
+    head = get_head() if get_head is not None else None
+    if body is None or head is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits, None
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return hidden, head
+
+
+def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, support: torch.Tensor | None,
+                    temperature: float) -> torch.Tensor:
+    """log pi(y) over the full softmax, or renormalised over the recorded candidate set (see
+    `completion_logprobs`), for one chunk of [N, H] hidden states."""
+    logits = (head(hidden) if head is not None else hidden).float() / temperature  # [N, V]
+    chosen = logits.gather(-1, targets[:, None]).squeeze(-1)
+    log_z = torch.logsumexp(logits, dim=-1)
+    if support is not None:
+        known = support >= 0
+        cand = logits.gather(-1, support.clamp(min=0))
+        # a large finite floor, not -inf: a row with no known candidate must not put NaN in the gradient
+        masked_z = torch.logsumexp(torch.where(known, cand, torch.full_like(cand, -1e9)), dim=-1)
+        log_z = torch.where(known.any(-1), masked_z, log_z)
+    return chosen - log_z
+
+
+def completion_logprobs(model, tensors: dict[str, Any], temperature: float = 1.0,
+                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+    """[B, T] logprob of each completion token under `model` (logits / temperature); 0 past each
+    completion's end.
 
     Keep-sampling mask: where `tensors["support"]` names the candidate set S_t the sampler drew
     token y_t from (top-k/top-p survivors), the policy is renormalised over that same set,
@@ -58,27 +101,34 @@ def completion_logprobs(model, tensors: dict[str, Any], temperature: float = 1.0
     which is what the engine's processed logprob is — so behaviour and trained policy share a
     support and their ratio is not biased by the mass top-k/top-p cut off. Unknown sets ([] when
     recorded) fall back to the full softmax.
+
+    Memory: the output layer sees the completion positions only, `chunk_tokens` at a time; with
+    gradients on, each chunk is checkpointed, so at most one chunk's [chunk, V] logits live at once.
     """
-    logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
-    logits = logits.float() / temperature
     ids = tensors["input_ids"]
+    hidden, head = _body_and_head(model, ids, tensors["attention_mask"])
     n, t_max = ids.shape[0], tensors["t_max"]
-    # token j of the completion sits at position p+j and is predicted by the logits at p+j-1
-    pos = tensors["prompt_lens"][:, None] + torch.arange(t_max, device=ids.device)[None, :] - 1
-    pos = pos.clamp(max=ids.shape[1] - 2)
-    rows = torch.arange(n, device=ids.device)[:, None]
+    steps = torch.arange(t_max, device=ids.device)
+    lens = tensors.get("completion_lens")
+    if lens is None:  # callers that built tensors by hand: every step up to the end of the row
+        lens = tensors["attention_mask"].sum(1) - tensors["prompt_lens"]
+    rows, cols = (steps[None, :] < lens.to(ids.device)[:, None]).nonzero(as_tuple=True)
+    # token j of the completion sits at position p+j and is predicted by the hidden state at p+j-1
+    pos = tensors["prompt_lens"].to(ids.device)[rows] + cols - 1
+    states = hidden[rows, pos]  # [N, H]: the completion positions only
     targets = ids[rows, pos + 1]
-    step_logits = logits[rows, pos]  # [B, T, V]
-    chosen = step_logits.gather(-1, targets[..., None]).squeeze(-1)
-    log_z = torch.logsumexp(step_logits, dim=-1)
     support = tensors.get("support")
-    if support is not None:
-        known = support >= 0
-        cand = step_logits.gather(-1, support.clamp(min=0))
-        # a large finite floor, not -inf: a row with no known candidate must not put NaN in the gradient
-        masked_z = torch.logsumexp(torch.where(known, cand, torch.full_like(cand, -1e9)), dim=-1)
-        log_z = torch.where(known.any(-1), masked_z, log_z)
-    return chosen - log_z
+    cand = support[rows, cols] if support is not None else None
+    chunk = max(int(chunk_tokens), 1)
+    recompute = torch.is_grad_enabled() and states.requires_grad
+    parts = []
+    for lo in range(0, states.shape[0], chunk):
+        args = (head, states[lo: lo + chunk], targets[lo: lo + chunk],
+                None if cand is None else cand[lo: lo + chunk], temperature)
+        parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args))
+    flat = torch.cat(parts) if parts else states.new_zeros(0, dtype=torch.float32)
+    out = torch.zeros((n, t_max), dtype=torch.float32, device=ids.device)
+    return out.index_put((rows, cols), flat)
 
 
 def to_device(tensors: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from factory.types import Batch, Group, Task
 
 if TYPE_CHECKING:
     from factory.recipe import AlgorithmSection, AsyncSection, FailuresSection, TrainSection
+    from factory.trainer import Trainer
     from factory.weightsync import BucketPlan, WeightBroadcaster
 
 
@@ -432,18 +433,46 @@ class EnvWorkerActor(Placed):
         await self.gateway.close()
 
 
+def _trainer(*args, **kwargs) -> Trainer:
+    from factory.trainer import Trainer
+
+    return Trainer(*args, **kwargs)
+
+
 @ray.remote(num_cpus=0)
 class TrainerActor(Placed):
-    """The trainer on its node. `model`: a DirBundle or a path on this node. Nothing it writes is read
-    by path elsewhere: weights, adapters and checkpoints leave it as DirBundles."""
+    """The trainer on its node: one rank of `world_size` (`TrainerGroup` drives several as one). Rank
+    0 owns the weight broadcast into the engines; every rank takes part in each call (the gathers of
+    sharded weights are collectives), and the others' results are dropped. `model`: a DirBundle or a
+    path on this node. Nothing it writes is read by path elsewhere: weights, adapters and checkpoints
+    leave it as DirBundles."""
 
-    def __init__(self, model: str | DirBundle, algorithm, train, rollout, shape: dict | None = None):
-        from factory.trainer import Trainer
-
-        self.trainer = Trainer(local_dir(model, "trainer model"), algorithm, train, rollout, shape)
+    def __init__(self, model: str | DirBundle, algorithm, train, rollout, shape: dict | None = None,
+                 rank: int = 0, world_size: int = 1):
+        self.args = (local_dir(model, "trainer model"), algorithm, train, rollout, shape)
+        self.rank, self.world_size = rank, world_size
+        self._store = None
+        self.trainer: Trainer = _trainer(*self.args) if world_size == 1 else None  # type: ignore[assignment]  # set by join
         self.bucket_bytes = rollout.bucket_mb << 20
         self.broadcaster: WeightBroadcaster | None = None
         self.plan: BucketPlan | None = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: the trainer ranks' store, listening on this node's address; (address, port)."""
+        from factory.weightsync import open_rendezvous
+
+        self._store, port = open_rendezvous(node_ip(), self.world_size, 600.0)
+        return node_ip(), port
+
+    def join(self, host: str, port: int) -> None:
+        """Form the ranks' process group (gloo on CPU, NCCL on CUDA), then build this rank's trainer."""
+        from factory.devices import resolve_device
+        from factory.parallel import init_trainer_group
+
+        os.environ["FACTORY_NODE_IP"] = node_ip()
+        backend = "nccl" if resolve_device(self.args[2].device) == "cuda" else "gloo"
+        init_trainer_group(self.rank, self.world_size, host, port, backend, store=self._store)
+        self.trainer = _trainer(*self.args, rank=self.rank, world_size=self.world_size)
 
     def threads(self) -> int:
         return self.trainer.threads
@@ -451,9 +480,7 @@ class TrainerActor(Placed):
     def plan_json(self) -> str:
         from factory.weightsync import BucketPlan
 
-        weights = self.trainer.named_weights()
-        self.plan = BucketPlan.for_state(((k, list(v.shape)) for k, v in weights.items()),
-                                         self.trainer.serving_dtype, self.bucket_bytes)
+        self.plan = BucketPlan.for_state(self.trainer.weight_shapes(), self.trainer.serving_dtype, self.bucket_bytes)
         return self.plan.to_json()
 
     def sync_backend(self, wanted: str) -> str:
@@ -462,29 +489,39 @@ class TrainerActor(Placed):
             return wanted
         return "nccl" if self.trainer.device.type == "cuda" else "gloo"
 
-    def open_broadcast(self, world_size: int, backend: str) -> tuple[str, int]:
-        """Start the rendezvous on this node's own address; returns (address, port) for the receivers."""
+    def open_broadcast(self, world_size: int, backend: str) -> tuple[str, int] | None:
+        """Rank 0: start the rendezvous on this node's own address; returns (address, port) for the receivers."""
         from factory.weightsync import WeightBroadcaster
 
+        if self.rank:
+            return None
         self.broadcaster = WeightBroadcaster(node_ip(), world_size, backend)
         return self.broadcaster.host, self.broadcaster.port
 
     def join_broadcast(self) -> None:
+        if self.rank:
+            return
         if self.broadcaster is None:
             raise RuntimeError("join_broadcast before open_broadcast")
         self.broadcaster.connect()
 
     def broadcast(self) -> int:
-        if self.broadcaster is None or self.plan is None:
-            raise RuntimeError("broadcast before open_broadcast and plan_json")
-        return self.broadcaster.broadcast(self.plan, self.trainer.named_weights())
+        sent = self.stage_broadcast()
+        if self.broadcaster is not None:
+            self.broadcaster.wait()
+        return sent
 
     def stage_broadcast(self) -> int:
         """Copy the weights into the staging buckets and send them from a background thread: returns at
-        once (the bytes it sends), so the next train step overlaps the engines' drain and receive."""
+        once (the bytes it sends), so the next train step overlaps the engines' drain and receive.
+        The other ranks take part in gathering the sharded weights, bucket by bucket."""
+        if self.rank:
+            for _ in self.trainer.weight_items():
+                pass
+            return 0
         if self.broadcaster is None or self.plan is None:
             raise RuntimeError("broadcast before open_broadcast and plan_json")
-        return self.broadcaster.stage(self.plan, self.trainer.named_weights())
+        return self.broadcaster.stage(self.plan, self.trainer.weight_items())
 
     def export_weights(self, kind: str) -> tuple[DirBundle, int]:
         """`disk`: the policy as an HF model dir; `lora`: the adapter alone. As a bundle, and its bytes."""
@@ -503,7 +540,8 @@ class TrainerActor(Placed):
         return self.trainer.logprobs(samples)
 
     def checkpoint(self, extra: dict) -> DirBundle:
-        """A checkpoint (see Trainer.save_checkpoint) as a bundle; the driver writes it into the run dir."""
+        """A checkpoint (see Trainer.save_checkpoint) as a bundle — this rank's part of it when there
+        are several (`TrainerGroup` merges them); the driver writes it into the run dir."""
         with tempfile.TemporaryDirectory(prefix="factory-ckpt-") as tmp:
             self.trainer.save_checkpoint(Path(tmp) / "ckpt", extra)
             return DirBundle.of(Path(tmp) / "ckpt", "checkpoint")

@@ -79,13 +79,13 @@ class PlacementError(RuntimeError):
     """The recipe's placement cannot be satisfied by this Ray cluster (a user error, one line)."""
 
 
-def check_placement(placement, engines: int, env_workers: int, scorer: bool) -> None:
+def check_placement(placement, engines: int, env_workers: int, scorer: bool, trainer_ranks: int = 1) -> None:
     """Fail at once, naming the field, when the recipe's placement asks for more of a resource than the
     Ray cluster has in all: Ray would otherwise keep the actor pending forever (a silent hang)."""
     import ray
 
     wanted: dict[str, list[tuple[str, float]]] = {}
-    counts = {"trainer": 1, "buffer": 1, "engine": engines, "env_worker": env_workers, "scorer": int(scorer)}
+    counts = {"trainer": trainer_ranks, "buffer": 1, "engine": engines, "env_worker": env_workers, "scorer": int(scorer)}
     for role, n in counts.items():
         for name, amount in getattr(placement, role).items():
             wanted.setdefault(name, []).append((role, amount * n))

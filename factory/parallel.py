@@ -1,0 +1,167 @@
+"""How the trainer spreads a step over micro-batches and ranks, and how a model is sharded.
+
+Pure planning (which samples go to which rank and micro-batch) plus the torch.distributed pieces
+the trainer needs: forming the trainer ranks' process group, applying FSDP2 per decoder block and
+then at the root (torchtitan's `parallelize`), and gathering full weights one tensor at a time.
+No Ray here (`factory/runtime/` places the ranks), no algorithm (`factory/algo/`).
+
+FSDP2 on CPU runs with gloo and is tested here (2 ranks against 1); on CUDA the same code runs with
+NCCL, which no machine of this project has: untested here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+
+# ---------------------------------------------------------------- planning (pure)
+
+def plan_micro_batches(lengths: list[int], ranks: int = 1, budget_tokens: int = 0) -> list[list[list[int]]]:
+    """Sample indices per rank, per micro-batch: `plan[r][m]` is rank r's m-th micro-batch.
+
+    Ranks get samples balanced by tokens (longest first, each to the rank with the fewest tokens so
+    far). Within a rank, samples sorted by length fill a micro-batch while its padded cost — rows ×
+    the longest row — stays within `budget_tokens`, so similar lengths share a micro-batch and
+    little is padding. A sample longer than the budget gets a micro-batch of its own. With one rank
+    and a batch that fits (or budget 0: no limit) the plan is the batch as it came, in its order.
+    """
+    n = len(lengths)
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    if ranks == 1 and (budget_tokens <= 0 or n * max(lengths, default=0) <= budget_tokens):
+        return [[list(range(n))]] if n else [[]]
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    shards: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for i in order:
+        r = min(range(ranks), key=lambda k: (loads[k], k))
+        shards[r].append(i)
+        loads[r] += lengths[i]
+    plan: list[list[list[int]]] = []
+    for shard in shards:  # each shard is already longest-first
+        micro: list[list[int]] = []
+        for i in shard:
+            if micro and budget_tokens > 0 and (len(micro[-1]) + 1) * lengths[micro[-1][0]] > budget_tokens:
+                micro.append([])
+            if not micro:
+                micro.append([])
+            micro[-1].append(i)
+        plan.append(micro)
+    return plan
+
+
+def padding_share(plan: list[list[list[int]]], lengths: list[int]) -> float:
+    """Share of the token positions the forward passes compute that are padding."""
+    computed = sum(len(mb) * max(lengths[i] for i in mb) for shard in plan for mb in shard if mb)
+    real = sum(lengths[i] for shard in plan for mb in shard for i in mb)
+    return 1.0 - real / computed if computed else 0.0
+
+
+# ---------------------------------------------------------------- the trainer ranks' process group
+
+def init_trainer_group(rank: int, world_size: int, host: str, port: int, backend: str, store=None,
+                       timeout_s: float = 600.0) -> None:
+    """Join the trainer ranks' default process group: rank 0 hosts the store (`store`, from
+    `factory.weightsync.open_rendezvous` on its node's address), the others connect to host:port.
+    gloo and NCCL pick their interface from these variables: set them to the one carrying this node's
+    address (the hostname may resolve to loopback)."""
+    import torch.distributed as dist
+
+    from factory.weightsync import interface_of
+
+    if dist.is_initialized():
+        return
+    local = os.environ.get("FACTORY_NODE_IP", "")
+    iface = interface_of(local) if local else None
+    if iface and local not in ("127.0.0.1", "::1"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=dist.PrefixStore("factory-trainer", store), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+# ---------------------------------------------------------------- sharding
+
+def decoder_blocks(model) -> list[torch.nn.Module]:
+    """The repeated blocks of a Hugging Face causal LM (PEFT-wrapped or not): FSDP's units."""
+    body = model.get_decoder()
+    blocks = getattr(body, "layers", None)
+    if blocks is None:
+        raise ValueError(f"{type(model).__name__}: no decoder `layers` to shard; FSDP needs the repeated blocks")
+    return list(blocks)
+
+
+def parallelize(root: torch.nn.Module, model, world_size: int, device: str, bf16: bool) -> None:
+    """FSDP2 over `world_size` ranks: each decoder block of `model` is its own unit, then `root` (the
+    module whose forward the trainer calls, holding embeddings, final norm and output layer). With
+    `bf16`, parameters are gathered and computed in bf16 while the sharded masters, their gradients'
+    reduction and the optimizer stay fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device, (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(root, mesh=mesh, mp_policy=mp)
+
+
+def full_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor whole, one at a time: a sharded (DTensor) one is all-gathered — a collective, so
+    every rank must walk the same names in the same order; plain tensors pass through."""
+    from torch.distributed.tensor import DTensor
+
+    for name, t in named:
+        yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def global_shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)  # a DTensor's shape is already the whole tensor's
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum `values` over the trainer ranks (identity without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def step_metrics_merge(parts: list[dict[str, Any]], weight_key: str = "train/objective_weight") -> dict[str, float]:
+    """One step's metrics from those of its micro-batches or ranks: `*max*` keys by max, `perf/` keys
+    by max (the slowest part bounds the step), `weight_key` summed, everything else a mean weighted
+    by `weight_key` (the aggregation's denominator, so `train/loss` is the whole batch's loss)."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    weights = [float(p.get(weight_key, 0.0)) for p in parts]
+    total = sum(weights)
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for p in parts for k in p):
+        vals = [(float(p[key]), w) for p, w in zip(parts, weights) if key in p]
+        if key == weight_key:
+            out[key] = total
+        elif "max" in key or key.startswith("perf/"):
+            out[key] = max(v for v, _ in vals)
+        elif all(v == vals[0][0] for v, _ in vals):
+            out[key] = vals[0][0]
+        else:
+            wsum = sum(w for _, w in vals)
+            out[key] = sum(v * w for v, w in vals) / wsum if wsum else sum(v for v, _ in vals) / len(vals)
+    return out

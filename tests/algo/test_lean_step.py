@@ -1,0 +1,170 @@
+"""The lean step: chunked completion logprobs equal the full-logits formula (values and gradients),
+micro-batches add up to the whole batch's update for every aggregation, the plan balances ranks and
+groups similar lengths, and LoRA merges stream to what PEFT's merge gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from factory.algo.losses import AGGREGATIONS
+from factory.parallel import padding_share, plan_micro_batches, step_metrics_merge
+from factory.recipe import ModelSection, recipe_from_dict
+from factory.types import Batch, Group, Sample, Task
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    from factory.model.tiny import build_model, build_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny2")
+    tok = build_tokenizer(["12+34=46", "7+8=15", "the answer is 9"] * 4, 270, out)
+    build_model(tok, ModelSection(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position=128),
+                out)
+    return str(out)
+
+
+def trainer_for(model_path, *overrides):
+    from factory.trainer import Trainer
+
+    recipe = recipe_from_dict({}, overrides=["rollout.max_new_tokens=12", "train.lr=1e-2", *overrides])
+    return Trainer(model_path, recipe.algorithm, recipe.train, recipe.rollout)
+
+
+def ragged_batch(seed: int = 0, n: int = 8) -> Batch:
+    """Groups of two samples of mixed prompt and completion lengths, a masked (tool) token, stale
+    behaviour logprobs, rewards 0/1."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        t = int(torch.randint(2, 12, (1,), generator=g))
+        p = int(torch.randint(3, 9, (1,), generator=g))
+        mask = [1] * t
+        if t > 3:
+            mask[1] = 0
+        samples.append(Sample(f"s{i}", f"g{i // 2}", "t", prompt_ids=torch.randint(5, 60, (p,), generator=g).tolist(),
+                              completion_ids=torch.randint(5, 60, (t,), generator=g).tolist(),
+                              logprobs=(-torch.rand(t, generator=g) * 4).tolist(), loss_mask=mask, versions=[0] * t,
+                              reward=float(i % 2)))
+    return Batch(0, [Group(f"g{j}", Task("t", "f", "q", "a"), samples[2 * j: 2 * j + 2]) for j in range(n // 2)])
+
+
+def naive_logprobs(model, tensors, temperature=1.0):
+    """The formula written out over full [B, L, V] logits (what the lean path must equal)."""
+    logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits.float() / temperature
+    out = torch.zeros(tensors["input_ids"].shape[0], tensors["t_max"])
+    for i in range(out.shape[0]):
+        p, n = int(tensors["prompt_lens"][i]), int(tensors["completion_lens"][i])
+        for j in range(n):
+            row = logits[i, p + j - 1]
+            out[i, j] = row[tensors["input_ids"][i, p + j]] - torch.logsumexp(row, 0)
+    return out
+
+
+def test_chunked_logprobs_and_gradients_equal_the_full_logits_formula(model_path):
+    from factory.model.logprobs import completion_logprobs, pad_samples
+
+    trainer = trainer_for(model_path)
+    tensors = pad_samples(ragged_batch().samples, 0)
+    model = trainer.model
+    lean = completion_logprobs(model, tensors, 0.7, chunk_tokens=5)  # several chunks, checkpointed
+    lean.sum().backward()
+    lean_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    naive = naive_logprobs(model, tensors, 0.7)
+    naive.sum().backward()
+    assert torch.allclose(lean, naive, atol=1e-5), (lean - naive).abs().max()
+    for a, b in zip(lean_grads, (p.grad for p in model.parameters())):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    beyond = torch.arange(tensors["t_max"])[None, :] >= tensors["completion_lens"][:, None]
+    assert (lean[beyond] == 0).all()  # nothing past a completion's end
+
+
+def grads_after_step(trainer, batch) -> list[torch.Tensor]:
+    trainer.train_step(batch)
+    return [p.grad.clone() for p in trainer.model.parameters()]
+
+
+@pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
+@pytest.mark.parametrize("extra", [[], ["algorithm.proximal=current", "algorithm.corrections=[{name: icepop, low: 0.5, high: 2.0}]",
+                                        "algorithm.kl_coef=0.1"]], ids=["plain", "icepop+kl"])
+def test_micro_batches_give_the_whole_batch_update(model_path, aggregation, extra):
+    """Token budget 40 splits the batch into several micro-batches; the accumulated gradient equals
+    the whole batch's (before clipping, which scales both alike), for every registered aggregation,
+    also when a correction drops tokens by the current policy's ratio."""
+    over = [f"algorithm.aggregation={aggregation}", "train.grad_clip=1e9", *extra]
+    whole = trainer_for(model_path, *over, "train.micro_batch_tokens=0")
+    micro = trainer_for(model_path, *over, "train.micro_batch_tokens=40")
+    batch = ragged_batch(1)
+    a, b = grads_after_step(whole, batch), grads_after_step(micro, batch)
+    out = micro.train_step(ragged_batch(2))
+    assert out["train/micro_batches"] > 2
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, atol=1e-6, rtol=1e-4), (x - y).abs().max()
+
+
+def test_the_merged_loss_is_the_whole_batch_loss(model_path):
+    whole = trainer_for(model_path, "train.micro_batch_tokens=0").train_step(ragged_batch(3))
+    micro = trainer_for(model_path, "train.micro_batch_tokens=40").train_step(ragged_batch(3))
+    assert micro["train/loss"] == pytest.approx(whole["train/loss"], abs=1e-6)
+    assert micro["train/tokens"] == whole["train/tokens"]
+    assert micro["train/padding_share"] < whole["train/padding_share"]  # similar lengths share a micro-batch
+
+
+def test_plan_balances_ranks_by_tokens_and_keeps_the_budget():
+    lengths = [100, 10, 90, 20, 80, 30, 70, 40]
+    plan = plan_micro_batches(lengths, ranks=2, budget_tokens=200)
+    loads = [sum(lengths[i] for mb in shard for i in mb) for shard in plan]
+    assert sorted(i for shard in plan for mb in shard for i in mb) == list(range(8))
+    assert abs(loads[0] - loads[1]) <= 10
+    for shard in plan:
+        for mb in shard:
+            assert len(mb) * max(lengths[i] for i in mb) <= 200 or len(mb) == 1
+    assert plan_micro_batches(lengths, 1, 10_000) == [[list(range(8))]]  # fits: the batch as it came
+    assert plan_micro_batches([500, 5], 1, 100) == [[[0], [1]]]  # too long for the budget: alone
+    assert plan_micro_batches([5], ranks=3)[1:] == [[], []]  # fewer samples than ranks: empty shards
+
+
+def test_padding_share_counts_padded_positions():
+    assert padding_share([[[0, 1]]], [10, 5]) == pytest.approx(5 / 20)
+    assert padding_share([[[0], [1]]], [10, 5]) == 0.0
+
+
+def test_metrics_merge_weights_means_and_takes_maxima():
+    merged = step_metrics_merge([{"train/loss": 1.0, "staleness/token_max": 2.0, "train/objective_weight": 1.0},
+                                 {"train/loss": 4.0, "staleness/token_max": 1.0, "train/objective_weight": 3.0}])
+    assert merged == {"train/loss": 3.25, "staleness/token_max": 2.0, "train/objective_weight": 4.0}
+
+
+def test_streamed_lora_merge_equals_peft_merge(model_path):
+    import copy
+
+    trainer = trainer_for(model_path, "train.lora.enabled=true", "train.lora.rank=4", "rollout.weight_sync=lora")
+    with torch.no_grad():  # B starts at zero; give it values so the merge shows
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    expected = copy.deepcopy(trainer.model).merge_and_unload().state_dict()
+    streamed = trainer.named_weights()
+    assert list(streamed) == list(expected)
+    assert [(k, list(v.shape)) for k, v in streamed.items()] == trainer.weight_shapes()
+    for k in expected:
+        assert torch.equal(streamed[k], expected[k]), k
+
+
+def test_bf16_precision_trains_close_to_fp32(model_path):
+    batch = ragged_batch(4)
+    fp32 = trainer_for(model_path, "train.precision=fp32").train_step(batch)
+    bf16 = trainer_for(model_path, "train.precision=bf16").train_step(batch)
+    assert bf16["train/loss"] == pytest.approx(fp32["train/loss"], abs=0.05)
+    assert bf16["train/grad_norm"] == pytest.approx(fp32["train/grad_norm"], rel=0.1)
+
+
+def test_activation_checkpointing_gives_the_same_gradients(model_path):
+    batch = ragged_batch(5)
+    a = grads_after_step(trainer_for(model_path, "train.activation_checkpointing=false"), batch)
+    b = grads_after_step(trainer_for(model_path, "train.activation_checkpointing=true"), batch)
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, atol=1e-6)
