@@ -7,15 +7,21 @@ from typing import Any
 from factory.types import Task
 
 
-async def score_answer(answer: str | None, task: Task, sandbox=None) -> tuple[float, dict[str, Any]]:
-    """(reward, details) for `answer` to `task`: code tasks run their unit tests in `sandbox` (a
-    Sandbox or SandboxPool; the reward is the pass fraction), other tasks use reasoning-gym's verifier."""
-    from factory.rewards.code import is_code_task, score_code
-    from factory.rewards.verifiers import reasoning_gym_reward
+def verifier_spec(task: Task) -> dict[str, Any]:
+    """The verifier a task is scored by: its own (`metadata["verifier"]`, from a file source), else a code
+    task's unit tests, else its reasoning-gym family's scorer."""
+    from factory.rewards.code import is_code_task
 
+    if task.metadata.get("verifier"):
+        return task.metadata["verifier"]
     if is_code_task(task):
-        if sandbox is None:
-            raise ValueError(f"task {task.task_id} is a code task: its reward needs a sandbox")
-        score = await score_code(answer, task, sandbox)
-        return score.fraction, {"tests": score.to_dict()}
-    return reasoning_gym_reward(answer, task), {}
+        return {"name": "code"}
+    return {"name": "reasoning_gym", "config": {"family": task.family}}
+
+
+async def score_answer(answer: str | None, task: Task, sandbox=None) -> tuple[float, dict[str, Any]]:
+    """(reward, details) for `answer` to `task` under its verifier (`verifier_spec`); code runs its unit
+    tests in `sandbox` (a Sandbox or SandboxPool; the reward is the pass fraction)."""
+    from factory.rewards.verifiers import score_with
+
+    return await score_with(verifier_spec(task), answer, task, sandbox)
