@@ -40,25 +40,42 @@ def new_run_dir(name: str) -> Path:
 
 
 def _loaded(file: str, overrides: list[str], check_machine: bool = True) -> Recipe:
-    """The recipe, also checked against this machine (model.path, context, engine installed);
-    RecipeError with one line per problem."""
+    """The recipe, also checked against this machine (model.path, context, engine installed) and its
+    data built (`factory.data.check`); RecipeError with one line per problem."""
+    return _checked(file, overrides, check_machine)[0]
+
+
+def _checked(file: str, overrides: list[str], check_machine: bool = True) -> tuple[Recipe, list]:
+    """`_loaded`'s recipe and the data check of each distinct data section among its sweep points."""
+    from factory.data.check import check_data
+
     recipe = load_recipe(file, overrides)
-    if check_machine:
-        problems = [line for _, point in expand_sweep(recipe) for line in machine_problems(point, file)]
-        if problems:
-            raise RecipeError(list(dict.fromkeys(problems)))
-    return recipe
+    if not check_machine:
+        return recipe, []
+    points = [point for _, point in expand_sweep(recipe)]
+    problems = [line for point in points for line in machine_problems(point, file)]
+    checks = {}
+    for point in points:
+        key = json.dumps([point.data.model_dump(mode="json"), point.environment.model_dump(mode="json")], sort_keys=True)
+        if key not in checks:
+            checks[key] = check_data(point)
+    problems += [f"{file}: {line}" for check in checks.values() for line in check.problems]
+    if problems:
+        raise RecipeError(list(dict.fromkeys(problems)))
+    return recipe, list(checks.values())
 
 
 def cmd_recipe_check(args) -> int:
     try:
-        recipe = _loaded(args.file, args.overrides)
+        recipe, data_checks = _checked(args.file, args.overrides)
     except RecipeError as err:
         print(str(err), file=sys.stderr)
         return 2
     points = expand_sweep(recipe)
     print(f"{args.file}: ok ({recipe.name}, fingerprint {recipe.fingerprint()}"
           + (f", sweep of {len(points)} runs" if recipe.sweep else "") + ")")
+    for check in data_checks:
+        print("\n".join(check.lines))
     return 0
 
 

@@ -66,10 +66,14 @@ def policy_fingerprint(path: Path) -> str:
 
 
 def origin(recipe, policy: Path | None) -> dict[str, Any]:
-    """The run-level lineage: recipe (resolved YAML and hash), code, base policy, launcher context."""
+    """The run-level lineage: recipe (resolved YAML and hash), data (the fingerprint its tasks carry in the
+    lake: `tasks.dataset`), code, base policy, launcher context."""
+    from factory.data.tasks import dataset_fingerprint
+
     return {
         "recipe_hash": recipe.fingerprint(),
         "recipe_yaml": recipe.to_yaml(),
+        "dataset": dataset_fingerprint(recipe.data),
         **git_state(),
         "base_policy": str(policy) if policy else None,
         "base_policy_fingerprint": policy_fingerprint(policy) if policy and Path(policy).is_dir() else None,

@@ -49,7 +49,7 @@ def test_two_families_recipe():
     recipe = load_recipe(RECIPES / "two_families.yaml")
     basic, chain = recipe.data.families
     assert (basic.name, chain.name) == ("basic_arithmetic", "chain_sum")
-    assert chain.config == dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    assert chain.config == dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2)
 
 
 # ---- overrides -----------------------------------------------------------------------------
@@ -169,7 +169,7 @@ MALFORMED = [
     ("family_without_name", "data:\n  families:\n    - weight: 2\n", [],
      ["{file}: data.families[0].name: required but missing"]),
     ("no_families", "data:\n  families: []\n", [],
-     ["{file}: data.families: needs at least 1 item(s), got 0"]),
+     ["{file}: data.families: needs at least 1 item(s), got 0 (or give data.sources)"]),
     ("betas_too_short", "train:\n  betas: [0.9]\n", [],
      ["{file}: train.betas[1]: item missing; the list is too short"]),
     ("sweep_values_not_a_list", "sweep:\n  train.lr: 0.1\n", [],

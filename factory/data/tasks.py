@@ -1,5 +1,6 @@
-"""Task sources over reasoning-gym and the repository's own task files, with seeded disjoint
-train/held-out splits, and a sampler whose position is saved in checkpoints."""
+"""Task sources over reasoning-gym, the repository's own task files and a user's files
+(`factory.data.sources`), with seeded disjoint train/held-out splits, and a sampler whose position is
+saved in checkpoints."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import random
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from factory.data.code_tasks import CODE_FAMILY, code_family_tasks
+from factory.data.sources import FileTaskSource
 from factory.types import Task
 
 # Families that are not reasoning-gym datasets: name -> (config, split, seed) -> that split's tasks
@@ -23,11 +25,20 @@ def _family_seed(seed: int, family: str, split: str) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-def dataset_fingerprint(data_section) -> str:
-    """12 hex digits naming the task set a recipe's `data` section makes (families, sizes, seed):
-    task ids such as `basic_arithmetic/train/0` are unique only within one such set."""
-    text = json.dumps(data_section.model_dump(mode="json"), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+def dataset_fingerprint(data_section, files: Sequence[FileTaskSource] | None = None) -> str:
+    """12 hex digits naming the task set a recipe's `data` section makes (families, sizes, seed, and
+    each file source's content digest: its options and every row, wherever the file lies): task ids
+    such as `basic_arithmetic/train/0` are unique only within one such set. `files`: the section's
+    sources already read (else they are read here)."""
+    data = data_section.model_dump(mode="json")
+    if data_section.sources:
+        files = files if files is not None else file_sources(data_section)
+        data["sources"] = [f.content_digest for f in files]
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def file_sources(data_section) -> list[FileTaskSource]:
+    return [FileTaskSource(spec, i) for i, spec in enumerate(data_section.sources)]
 
 
 def _question_key(task: Task) -> str:
@@ -42,25 +53,28 @@ class TaskFamilySpec:
 
 
 class ReasoningGymSource:
-    """Procedural tasks from reasoning-gym families (and fixed sets named in LOCAL_FAMILIES), mixed
-    by weight.
+    """A recipe's tasks: procedural ones from reasoning-gym families (and fixed sets named in
+    LOCAL_FAMILIES), mixed by weight, then those of its file sources (`files`, each split its own way).
 
-    The held-out split is generated from its own seed; the training split skips any question
-    that also appears held-out, so the two are disjoint by construction.
+    The families' held-out split is generated from its own seed; their training split skips any
+    question that also appears held-out, so the two are disjoint by construction.
     """
 
-    def __init__(self, families: list[TaskFamilySpec], train_size: int, heldout_size: int, seed: int = 0):
-        if not families:
-            raise ValueError("data.families: give at least one task family")
+    def __init__(self, families: list[TaskFamilySpec], train_size: int, heldout_size: int, seed: int = 0,
+                 files: Sequence[FileTaskSource] = ()):
+        if not families and not files:
+            raise ValueError("data.families: give at least one task family (or data.sources)")
         self.families = families
         self.train_size = train_size
         self.heldout_size = heldout_size
         self.seed = seed
+        self.files = list(files)
 
     @classmethod
     def from_recipe(cls, data_section) -> ReasoningGymSource:
         specs = [TaskFamilySpec(f.name, dict(f.config), f.weight) for f in data_section.families]
-        return cls(specs, data_section.train_size, data_section.heldout_size, data_section.seed)
+        return cls(specs, data_section.train_size, data_section.heldout_size, data_section.seed,
+                   file_sources(data_section))
 
     def _dataset(self, spec: TaskFamilySpec, split: str, size: int):
         import reasoning_gym
@@ -75,7 +89,10 @@ class ReasoningGymSource:
         except Exception as err:  # reasoning-gym raises a mix of KeyError/TypeError/ValueError
             raise ValueError(f"data.families: cannot build {spec.name!r} with {cfg}: {err}") from None
 
-    def _sizes(self, total: int) -> list[int]:
+    def family_sizes(self, total: int) -> list[int]:
+        """How many of `total` questions each family is asked for (by weight)."""
+        if not self.families:
+            return []
         weights = [f.weight for f in self.families]
         sizes = [int(total * w / sum(weights)) for w in weights]
         sizes[0] += total - sum(sizes)
@@ -92,7 +109,7 @@ class ReasoningGymSource:
 
     def _generate(self, split: str, total: int, exclude: set[str]) -> list[Task]:
         tasks: list[Task] = []
-        for spec, size in zip(self.families, self._sizes(total)):
+        for spec, size in zip(self.families, self.family_sizes(total)):
             # each split holds unique questions (a small family may hold fewer than asked for)
             n = 0
             for task in self._candidates(spec, split, size):
@@ -107,11 +124,14 @@ class ReasoningGymSource:
 
     @cached_property
     def heldout(self) -> list[Task]:
-        return self._generate("heldout", self.heldout_size, exclude=set())
+        families = self._generate("heldout", self.heldout_size, exclude=set()) if self.families else []
+        return families + [t for f in self.files for t in f.heldout]
 
     @cached_property
     def train(self) -> list[Task]:
-        return self._generate("train", self.train_size, exclude={_question_key(t) for t in self.heldout})
+        exclude = {_question_key(t) for t in self.heldout}
+        families = self._generate("train", self.train_size, exclude) if self.families else []
+        return families + [t for f in self.files for t in f.train]
 
 
 def seeded_subset(tasks: list[Task], n: int | None, seed: int) -> list[Task]:

@@ -59,6 +59,13 @@ def environment_factory(name: str) -> Callable[..., Environment]:
         raise ValueError(f"cannot import {name!r} ({type(err).__name__}: {err})") from None
 
 
+def task_messages(task: Task) -> list[dict]:
+    """A task's own messages: its chat messages when its source gave some (`metadata["messages"]`), else
+    its question as the user's message. An environment puts its system prompt before them."""
+    messages = task.metadata.get("messages")
+    return [dict(m) for m in messages] if messages else [{"role": "user", "content": task.question}]
+
+
 def make_environment(section) -> Environment:
     """Build the environment a recipe's `environment` section names."""
     return environment_factory(section.name)(section)

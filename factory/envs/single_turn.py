@@ -8,7 +8,7 @@ import random
 import zlib
 from typing import Any
 
-from factory.envs.base import EpisodeResult, register_environment
+from factory.envs.base import EpisodeResult, register_environment, task_messages
 from factory.envs.sandboxes import EnvSandbox
 from factory.recipe import EnvironmentSection
 from factory.rewards import score_answer
@@ -28,7 +28,7 @@ class SingleTurnEnvironment:
 
     def prompt_messages(self, task: Task) -> list[dict]:
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return messages + [{"role": "user", "content": task.question}]
+        return messages + task_messages(task)
 
     async def _simulated_latency(self, task: Task) -> float:
         """Heavy-tailed think/tool time for benchmarks: most episodes fast, a few much slower — by a

@@ -19,7 +19,7 @@ import json
 import re
 from typing import Any
 
-from factory.envs.base import EpisodeResult, register_environment
+from factory.envs.base import EpisodeResult, register_environment, task_messages
 from factory.envs.sandboxes import EnvSandbox
 from factory.recipe import EnvironmentSection
 from factory.rewards import score_answer
@@ -74,7 +74,7 @@ class ToolAgentEnvironment:
         self.sandbox = EnvSandbox(section.sandbox)
 
     def prompt_messages(self, task: Task) -> list[dict]:
-        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task.question}]
+        return [{"role": "system", "content": self.system_prompt}, *task_messages(task)]
 
     def demonstration(self, task: Task) -> list[dict] | None:
         """A whole synthetic episode for the SFT warm start: the expression of an arithmetic task is
