@@ -7,7 +7,8 @@ buffer, whose `FailureGate` fails the run once failures pass the recipe's `failu
 `max_in_a_row` consecutive failed groups, or a share above `max_share` once `min_groups` groups
 have finished. The run then stops with an `EnvironmentFailure` naming the environment and showing
 the first traceback. Every wait of the loop has a deadline (`deadlines.*`); one that passes stops
-the run with a `DeadlineExceeded` naming the setting.
+the run with a `DeadlineExceeded` naming the setting; a lake or MLflow outage longer than
+`deadlines.service_outage_s` with a `ServiceOutage` naming the service.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ class EnvironmentFailure(RunFailure):
 
 class DeadlineExceeded(RunFailure):
     """A wait of the run loop passed its `deadlines.*` setting."""
+
+
+class ServiceOutage(RunFailure):
+    """A service the run writes to (lake, MLflow) stayed unreachable past `deadlines.service_outage_s`
+    (`factory.outage`); the message names the service and what was kept."""
 
 
 @dataclass

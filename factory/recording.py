@@ -68,8 +68,11 @@ class RunRecorder:
 
             catalog = open_catalog(recipe.lake.catalog or None, namespace=recipe.lake.namespace)
             # commits by time, not by a step's worth of rows: one per table every few seconds
+            # an outage of the catalog or object store: rows wait (memory, then the run dir) while training goes on
             self.lake = TrajectoryWriter(catalog, recipe.lake.namespace, run_id=self.run_id, batch_rows=LAKE_BATCH_ROWS,
-                                         flush_interval_s=recipe.lake.commit_interval_s)
+                                         flush_interval_s=recipe.lake.commit_interval_s,
+                                         outage_deadline_s=recipe.deadlines.service_outage_s,
+                                         spill_dir=run_dir / "lake-spill")
             self.rewound = self.lake.rewind(start)  # {table: rows deleted}; empty for a new run
         if recipe.tracking.enabled:
             from factory.tracking import RunTracker

@@ -40,8 +40,11 @@ def open_catalog(props: dict[str, Any] | None = None, namespace: str | None = NA
     if "type" not in props and "uri" not in props:
         props = {**(profile.lake_catalog_props() or default_catalog_props()), **props}
     props = {k: str(v) for k, v in props.items()}
+    if props.get("type") == "sql" or props.get("uri", "").startswith(("sqlite:", "postgresql")):
+        # a pooled connection that died with its database (a restart) is replaced before use, not failed on
+        props.setdefault("pool_pre_ping", "true")
     if props.get("uri", "").startswith("sqlite:///"):
-        _use_wal(Path(props["uri"].removeprefix("sqlite:///")))
+        _use_wal(Path(props["uri"].removeprefix("sqlite:///").split("?", 1)[0]))
     catalog = load_catalog(props.pop("name", CATALOG_NAME), **props)
     if namespace is not None:
         ensure_tables(catalog, namespace)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,15 +23,11 @@ from pyiceberg.manifest import ManifestFile
 from pyiceberg.table import Table
 
 from factory.lake.schemas import NAMESPACE, TABLES
+from factory.outage import backoff_s
 
 log = logging.getLogger(__name__)
 
 _CONFLICTS = (CommitFailedException, ValidationException, ValueError)  # ValueError: snapshot gone meanwhile
-
-
-def backoff_s(attempt: int, base_s: float = 0.05, cap_s: float = 2.0) -> float:
-    """Exponential backoff with jitter: `min(cap, base·2^attempt) · U(0.5, 1.5)`."""
-    return min(cap_s, base_s * 2**attempt) * random.uniform(0.5, 1.5)
 
 
 def expire_snapshots(table: Table, keep_last: int = 5, retries: int = 5) -> int:

@@ -14,34 +14,53 @@ the restarted run re-sends. A run resumed from a checkpoint first rewinds its pa
 (`rewind`), so the steps it trains again are recorded once, from the attempt that trained them.
 
 Commits that conflict with another writer are retried by reloading the table, with backoff, up to
-`max_retries` times beyond PyIceberg's own retries; an error with unknown outcome is retried only
-after checking (by `factory.batch`) that the batch did not land.
+`max_retries` times beyond PyIceberg's own retries. Before each retry the writer reloads the table
+and checks (by `factory.batch`) that the batch did not land, so a commit whose response was lost is
+not written twice.
+
+Outages of the catalog (its database) or the object store are retried with backoff and jitter
+(`factory.outage`) for up to `outage_deadline_s`; reads the caller makes (committed keys, positions,
+snapshot ids) wait the same way. Meanwhile `append` keeps accepting rows: at most
+`max_pending_bytes` wait in memory, the rest spill to `spill_dir` as Arrow files, committed (one
+commit each, oldest first) once the service answers. `lake/outage_s` reports the time spent in
+outages. Past the deadline the writer stops with a one-line `ServiceOutage` naming the service;
+what was still pending is in `spill_dir`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 import time
 import uuid
 from collections import defaultdict
 from datetime import datetime, UTC
-from typing import Any
-from collections.abc import Iterable
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+from collections.abc import Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.ipc as ipc
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, ValidationException
 from pyiceberg.expressions import AlwaysTrue, And, EqualTo, GreaterThan
 from pyiceberg.table import Table
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
+from factory.failures import ServiceOutage
 from factory.lake.catalog import open_catalog
-from factory.lake.maintenance import backoff_s, expire_snapshots
+from factory.lake.maintenance import expire_snapshots
 from factory.lake.schemas import NAMESPACE, TABLES, TableSpec, table_spec
+from factory.outage import Outage, backoff_s, retry
 from factory.types import Batch, Sample
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +69,21 @@ WRITER_PROPERTY = "factory.writer"
 POSITION_PROPERTY = "factory.position."  # + run_id
 REWIND_PROPERTY = "factory.rewind"  # a run's rows beyond this position were deleted (resume from a checkpoint)
 
-# Failures that guarantee the commit did not land (a concurrent commit, or a concurrent expiry
-# removed the snapshot this append started from): reload and re-send.
+# A concurrent commit, or a concurrent expiry removed the snapshot this append started from: reload
+# and re-send (after checking that an earlier attempt did not land after all).
 _CONFLICT = (CommitFailedException, ValidationException)
-# Failures after which the commit may or may not have landed: check before re-sending.
-_UNKNOWN_OUTCOME = (OperationalError, OSError, TimeoutError)
+# Answers that say the object or row exists or not, or is forbidden: not an outage
+_DEFINITE_OS_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+MAX_PENDING_BYTES = 64 << 20  # rows waiting in memory while a table cannot commit; more spill to disk
+
+
+def transient(error: BaseException) -> bool:
+    """An error that an unreachable catalog database or object store raises (the commit may have landed)."""
+    if isinstance(error, (OperationalError, InterfaceError, PoolTimeoutError)):
+        return True
+    if isinstance(error, DBAPIError) and error.connection_invalidated:
+        return True
+    return isinstance(error, OSError) and not isinstance(error, _DEFINITE_OS_ERRORS)
 
 
 class LakeWriteError(RuntimeError):
@@ -70,7 +99,8 @@ class TrajectoryWriter:
 
     def __init__(self, catalog: Catalog | None = None, namespace: str = NAMESPACE, run_id: str | None = None,
                  *, batch_rows: int = 64, flush_interval_s: float = 2.0, expire_every: int = 20,
-                 keep_snapshots: int = 5, max_retries: int = 30) -> None:
+                 keep_snapshots: int = 5, max_retries: int = 30, outage_deadline_s: float = 300.0,
+                 spill_dir: Path | None = None, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.catalog = catalog if catalog is not None else open_catalog(namespace=namespace)
         self.namespace = namespace
         self.run_id = run_id
@@ -81,18 +111,31 @@ class TrajectoryWriter:
         self.keep_snapshots = keep_snapshots
         self.max_retries = max_retries
         self.writer_id = uuid.uuid4().hex
+        self.outage = Outage(self._service_of, outage_deadline_s)
+        # without a spill dir, rows wait in memory however long the outage
+        self.spill_dir = Path(spill_dir) if spill_dir is not None else None
+        self.max_pending_bytes = max_pending_bytes
+        if self.spill_dir is not None:
+            # a previous attempt's spill holds rows past its last checkpoint (a checkpoint waits for every
+            # row before it to be committed): the resumed run rewinds to it and records them anew
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
 
         self._lock = threading.Condition()
         self._pending: dict[str, list[pa.Table]] = defaultdict(list)
         self._pending_rows: dict[str, int] = defaultdict(int)
         self._pending_since: dict[str, float] = {}
+        self._pending_bytes: dict[str, int] = defaultdict(int)
+        self._spilled: dict[str, list[tuple[Path, int]]] = defaultdict(list)  # table → (Arrow file, rows), oldest first
+        self._spills = 0
         self._keys: dict[tuple[str, str | None], set[tuple]] = {}  # (table, scope value) → committed or pending keys
         self._tables: dict[str, Table] = {}  # used by the commit thread only
         self._flushing = 0  # callers waiting in flush(): commit everything now
         self._busy = False
         self._closed = False
         self._error: BaseException | None = None
-        self._stats = {"commits": 0, "rows": 0, "commit_s": 0.0, "retries": 0, "skipped": 0, "expired": 0}
+        self._gave_up: ServiceOutage | None = None  # an outage passed its deadline: appends and flushes raise it
+        self._stats = {"commits": 0, "rows": 0, "commit_s": 0.0, "retries": 0, "skipped": 0, "expired": 0,
+                       "spilled": 0}
 
         self._thread = threading.Thread(target=self._run, name="lake-writer", daemon=True)
         self._thread.start()
@@ -128,9 +171,12 @@ class TrajectoryWriter:
                 raise ValueError(f"lake table {table_name!r}: rows do not match its schema: {e}") from None
             self._pending[table_name].append(data)
             self._pending_rows[table_name] += data.num_rows
+            self._pending_bytes[table_name] += data.nbytes
             self._pending_since.setdefault(table_name, time.monotonic())
             if self._pending_rows[table_name] >= self.batch_rows:
                 self._lock.notify_all()
+            if self.spill_dir is not None and sum(self._pending_bytes.values()) > self.max_pending_bytes:
+                self._spill(max(self._pending_bytes, key=self._pending_bytes.__getitem__))
         return len(fresh)
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -140,8 +186,8 @@ class TrajectoryWriter:
             self._flushing += 1
             self._lock.notify_all()
             try:
-                while any(self._pending_rows.values()) or self._busy:
-                    if self._error is not None:
+                while self._unfinished():
+                    if self._error is not None or self._gave_up is not None:
                         break
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
@@ -156,7 +202,8 @@ class TrajectoryWriter:
         if self._closed:
             return
         try:
-            self.flush()
+            if self._gave_up is None:  # past an outage's deadline a last flush would only wait again
+                self.flush()
         finally:
             with self._lock:
                 self._closed = True
@@ -179,14 +226,15 @@ class TrajectoryWriter:
         run_id = run_id or self.run_id
         if spec.position is None or run_id is None:
             return None
-        table = self.catalog.load_table((self.namespace, table_name))
+        table = self._call(lambda: self.catalog.load_table((self.namespace, table_name)))
         for snapshot in sorted(table.metadata.snapshots, key=lambda s: s.timestamp_ms, reverse=True):
             value = snapshot.summary.additional_properties.get(POSITION_PROPERTY + run_id) if snapshot.summary else None
             if value is not None:
                 return int(value)
         if table.current_snapshot() is None:
             return None
-        data = table.scan(row_filter=EqualTo(term="run_id", value=run_id), selected_fields=(spec.position,)).to_arrow()
+        data = self._call(lambda: table.scan(row_filter=EqualTo(term="run_id", value=run_id),
+                                             selected_fields=(spec.position,)).to_arrow())
         return None if data.num_rows == 0 else pc.max(data[spec.position]).as_py()
 
     def snapshot_ids(self, tables: tuple[str, ...] = ("samples", "steps")) -> dict[str, int | None]:
@@ -194,7 +242,7 @@ class TrajectoryWriter:
         appended so far); time travel to it reads exactly the data a checkpoint was trained on."""
         ids: dict[str, int | None] = {}
         for name in tables:
-            snapshot = self.catalog.load_table((self.namespace, name)).current_snapshot()
+            snapshot = self._call(partial(self.catalog.load_table, (self.namespace, name))).current_snapshot()
             ids[name] = snapshot.snapshot_id if snapshot is not None else None
         return ids
 
@@ -215,16 +263,17 @@ class TrajectoryWriter:
                 continue
             beyond = And(EqualTo(term="run_id", value=run_id), GreaterThan(term=spec.position, value=position))
             for attempt in range(self.max_retries + 1):
-                table = self.catalog.load_table((self.namespace, spec.name))  # not the commit thread's copy
+                # not the commit thread's copy; a delete whose answer was lost is seen by the next scan
+                table = self._call(partial(self.catalog.load_table, (self.namespace, spec.name)))
                 if table.current_snapshot() is None:
                     n = 0
                     break
-                n = table.scan(row_filter=beyond, selected_fields=(spec.position,)).to_arrow().num_rows
+                n = self._call(partial(_count, table, beyond, spec.position))
                 if n == 0:
                     break
                 try:
-                    table.delete(beyond, snapshot_properties={POSITION_PROPERTY + run_id: str(position),
-                                                              REWIND_PROPERTY: str(position)})
+                    self._call(partial(table.delete, beyond, snapshot_properties={
+                        POSITION_PROPERTY + run_id: str(position), REWIND_PROPERTY: str(position)}))
                     break
                 except _CONFLICT:
                     if attempt == self.max_retries:
@@ -237,14 +286,17 @@ class TrajectoryWriter:
         return deleted
 
     def metrics(self) -> dict[str, float]:
-        """Stable names: lake/commits, lake/rows, lake/commit_s_mean, lake/retries, … ."""
+        """Stable names: lake/commits, lake/rows, lake/commit_s_mean, lake/retries, … ; lake/outage_s is
+        the time the catalog or object store was unreachable so far, lake/spilled_rows the rows that
+        waited on disk for it."""
         with self._lock:
             s = dict(self._stats)
-            pending = sum(self._pending_rows.values())
+            pending = sum(self._pending_rows.values()) + sum(n for files in self._spilled.values() for _, n in files)
         return {"lake/commits": float(s["commits"]), "lake/rows": float(s["rows"]),
                 "lake/commit_s_mean": s["commit_s"] / s["commits"] if s["commits"] else 0.0,
                 "lake/retries": float(s["retries"]), "lake/skipped_rows": float(s["skipped"]),
-                "lake/pending_rows": float(pending), "lake/snapshots_expired": float(s["expired"])}
+                "lake/pending_rows": float(pending), "lake/snapshots_expired": float(s["expired"]),
+                "lake/outage_s": self.outage.seconds(), "lake/spilled_rows": float(s["spilled"])}
 
     def _normalize(self, spec: TableSpec, row: dict[str, Any]) -> dict[str, Any]:
         row = dict(row)
@@ -276,7 +328,7 @@ class TrajectoryWriter:
         slot = (spec.name, value)
         if slot in self._keys:
             return
-        keys = committed_keys(self.catalog.load_table((self.namespace, spec.name)), spec, value)
+        keys = self._call(lambda: committed_keys(self.catalog.load_table((self.namespace, spec.name)), spec, value))
         with self._lock:
             self._keys.setdefault(slot, keys)
 
@@ -286,9 +338,59 @@ class TrajectoryWriter:
 
     def _raise_pending_error(self) -> None:
         with self._lock:
+            if self._gave_up is not None:
+                raise self._gave_up
             error, self._error = self._error, None
         if error is not None:
             raise LakeWriteError(f"lake commit failed: {error}") from error
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """`fn()` (a catalog or object-store call), retried through an outage up to the deadline."""
+        try:
+            return retry(fn, self.outage, transient, kept=self._kept)
+        except ServiceOutage as error:
+            with self._lock:
+                self._gave_up = self._gave_up or error
+            raise
+
+    def _service_of(self, error: BaseException | None) -> str:
+        """Which service an error came from: the catalog's database, or the object store (warehouse)."""
+        props = getattr(self.catalog, "properties", {})
+        if isinstance(error, DBAPIError) or error is None:
+            try:
+                uri = make_url(props.get("uri", "")).render_as_string(hide_password=True)
+            except ArgumentError:
+                uri = "?"
+            return f"the lake's catalog ({uri})"
+        endpoint = props.get("s3.endpoint")
+        return f"the lake's object store ({props.get('warehouse', '?')}{' at ' + endpoint if endpoint else ''})"
+
+    def _kept(self) -> str:
+        with self._lock:
+            memory = sum(self._pending_rows.values())
+            spilled = sum(n for files in self._spilled.values() for _, n in files)
+        where = f"{spilled} rows spilled to {self.spill_dir}" if self.spill_dir is not None else "nothing on disk"
+        return (f"the rows committed before it; {memory} pending rows in memory, {where} (rows past the last "
+                f"checkpoint: a resumed run records them anew)")
+
+    def _unfinished(self) -> bool:
+        """Rows appended but not yet committed: in memory, on disk or being committed (lock held)."""
+        return any(self._pending_rows.values()) or any(self._spilled.values()) or self._busy
+
+    def _spill(self, name: str) -> None:
+        """Write `name`'s pending rows to an Arrow file in the spill dir (lock held); committed later."""
+        assert self.spill_dir is not None
+        data = pa.concat_tables(self._pending.pop(name))
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        self._spills += 1
+        path = self.spill_dir / f"{name}-{self._spills:06d}-{uuid.uuid4().hex[:8]}.arrow"
+        with ipc.new_file(path, data.schema) as out:
+            out.write_table(data)
+        self._spilled[name].append((path, data.num_rows))
+        self._stats["spilled"] += data.num_rows
+        self._pending_rows.pop(name)
+        self._pending_bytes.pop(name, None)
+        log.warning("lake: %d %s rows spilled to %s while the lake is unreachable", data.num_rows, name, path)
 
     # ---- commit thread ----------------------------------------------------------------------
 
@@ -301,32 +403,58 @@ class TrajectoryWriter:
                     name = self._next_due()
                 if name is None:  # closed and nothing due
                     return
-                parts = self._pending.pop(name)
-                self._pending_rows.pop(name)
-                self._pending_since.pop(name, None)
+                spilled = self._spilled[name][0] if self._spilled[name] else None  # oldest rows first
+                parts: list[pa.Table] = []
+                if spilled is None:
+                    parts = self._pending.pop(name)
+                    self._pending_rows.pop(name)
+                    self._pending_bytes.pop(name, None)
+                    self._pending_since.pop(name, None)
                 self._busy = True
-            data = pa.concat_tables(parts)
             try:
-                self._commit(name, data)
+                if spilled is not None:
+                    with ipc.open_file(spilled[0]) as source:
+                        data = source.read_all()
+                    self._commit(name, data, batch=spilled[0].stem)  # a stable id: a lost answer is found again
+                else:
+                    data = pa.concat_tables(parts)
+                    self._commit(name, data)
             except BaseException as e:  # keep the rows for the next flush; tell the caller
-                log.warning("lake commit to %s failed: %s", name, e)
+                outage = isinstance(e, ServiceOutage)
+                if not outage:
+                    log.warning("lake commit to %s failed: %s", name, e)
                 with self._lock:
-                    self._pending[name][:0] = [data]
-                    self._pending_rows[name] += data.num_rows
-                    self._pending_since.setdefault(name, time.monotonic())
-                    self._error = e
+                    if spilled is None:
+                        self._pending[name][:0] = [data]
+                        self._pending_rows[name] += data.num_rows
+                        self._pending_bytes[name] += data.nbytes
+                        self._pending_since.setdefault(name, time.monotonic())
+                    if outage:  # past the deadline: keep what is pending on disk, stop
+                        for table in [t for t, n in self._pending_rows.items() if n]:
+                            if self.spill_dir is not None:
+                                self._spill(table)
+                        self._gave_up = self._gave_up or self.outage.error(self._kept())
+                        log.error("%s", self._gave_up)
+                    else:
+                        self._error = e
                     self._busy = False
                     self._lock.notify_all()
-                    if self._closed:
+                    if self._closed or outage:
                         return
                     self._lock.wait(timeout=self.flush_interval_s)  # don't spin on a broken catalog
                 continue
             with self._lock:
+                if spilled is not None:
+                    self._spilled[name].pop(0)
+                    spilled[0].unlink(missing_ok=True)
                 self._busy = False
                 self._lock.notify_all()
 
     def _next_due(self) -> str | None:
         now = time.monotonic()
+        for name, files in self._spilled.items():
+            if files:
+                return name
         for name, n in self._pending_rows.items():
             if n and (self._flushing or self._closed or n >= self.batch_rows
                       or now - self._pending_since[name] >= self.flush_interval_s):
@@ -344,28 +472,46 @@ class TrajectoryWriter:
             self._tables[name] = self.catalog.load_table((self.namespace, name))
         return self._tables[name]
 
-    def _commit(self, name: str, data: pa.Table) -> None:
+    def _commit(self, name: str, data: pa.Table, batch: str | None = None) -> None:
+        """One append of `data` (idempotency key `batch`), retried through conflicts (up to `max_retries`)
+        and outages (up to the deadline); before each retry, a batch that landed after all is not re-sent."""
         spec = table_spec(name)
-        batch = uuid.uuid4().hex
+        batch = batch or uuid.uuid4().hex
         properties = {BATCH_PROPERTY: batch, WRITER_PROPERTY: self.writer_id}
         if spec.position is not None and spec.run_scoped:
             for run_id, position in _max_position_per_run(data, spec.position).items():
                 properties[POSITION_PROPERTY + run_id] = str(position)
-        table = self._table(name)
         started = time.perf_counter()
-        for attempt in range(self.max_retries + 1):
+        conflicts, retrying = 0, False
+        while True:
+            attempt_started = self.outage.clock()
             try:
-                table.append(conform(data, table), snapshot_properties=properties)
-                break
-            except (*_CONFLICT, *_UNKNOWN_OUTCOME) as e:
-                if attempt == self.max_retries:
-                    raise
-                with self._lock:
-                    self._stats["retries"] += 1
-                time.sleep(backoff_s(attempt))
-                table = self._table(name, reload=True)
-                if isinstance(e, _UNKNOWN_OUTCOME) and _landed(table, batch):
+                table = self._table(name, reload=retrying)
+                if retrying and _landed(table, batch):  # an earlier attempt landed; its answer was lost
+                    self.outage.recovered()
                     break
+                table.append(conform(data, table), snapshot_properties=properties)
+                self.outage.recovered()
+                break
+            except _CONFLICT:
+                self.outage.recovered()  # the catalog answered
+                conflicts += 1
+                if conflicts > self.max_retries:
+                    raise
+                delay = backoff_s(conflicts - 1)
+            except Exception as e:
+                if not transient(e):
+                    raise
+                self.outage.failed(e, attempt_started)
+                if self.outage.past_deadline():
+                    raise self.outage.error("") from e  # the commit thread says what it kept
+                log.info("lake commit to %s: %s unreachable (%.1f s so far), retrying", name,
+                         self._service_of(e), self.outage.current_s())
+                delay = backoff_s(self.outage.failures)
+            with self._lock:
+                self._stats["retries"] += 1
+            retrying = True
+            time.sleep(delay)
         elapsed = time.perf_counter() - started
         with self._lock:
             self._stats["commits"] += 1
@@ -379,6 +525,10 @@ class TrajectoryWriter:
                     self._stats["expired"] += expired
             except Exception as e:  # noqa: BLE001
                 log.info("snapshot expiry on %s skipped: %s", name, e)
+
+
+def _count(table: Table, row_filter: Any, column: str) -> int:
+    return table.scan(row_filter=row_filter, selected_fields=(column,)).to_arrow().num_rows
 
 
 def _scope_of(spec: TableSpec, row: dict[str, Any]) -> str | None:
