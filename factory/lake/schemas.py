@@ -10,8 +10,9 @@
 
 Token-level columns of `samples` (`completion_ids`, `logprobs`, `versions`, `loss_mask`) are
 aligned: element i of each describes completion token i (see `factory.types.Sample`).
-`tasks.dataset` is the fingerprint of the recipe's `data` section (`factory.data.tasks.dataset_fingerprint`):
-task ids like `basic_arithmetic/train/0` repeat across datasets, so they are unique only within one.
+`tasks.dataset` is the fingerprint of the recipe's `data` section and of each file source's rows
+(`factory.data.tasks.dataset_fingerprint`; runs name it in `runs.origin`): task ids like
+`basic_arithmetic/train/0` repeat across datasets, so they are unique only within one.
 `samples.status` is each generated sample's fate (`SAMPLE_STATUSES`): `trained` (exactly once, with
 `trained_step`), `filtered` (its group had no reward variance), `rejected` (too stale, or its group
 was left too small), `unused` (queued when the run ended), `failed` (its group raised: one row per

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -197,35 +196,6 @@ def test_a_verifier_per_row(tmp_path):
 CODE_ROW = {"task": "add", "prompt": "def add(a, b):\n    \"\"\"a + b\"\"\"\n", "fn": "add",
             "tests": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(-1, 1) == 0\n",
             "solution": "    return a + b\n"}
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    from factory.sandbox import SandboxUnavailable, make_sandbox
-
-    try:
-        box = make_sandbox("bubblewrap")
-    except SandboxUnavailable as err:
-        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
-            pytest.fail(f"bubblewrap sandbox unavailable in CI: {err}")
-        pytest.skip(f"bubblewrap sandbox unavailable here: {err}")
-    yield box
-    box.close()
-
-
-def test_code_rows_are_scored_by_their_own_unit_tests(tmp_path, sandbox):
-    path = write_jsonl(tmp_path / "code.jsonl", [CODE_ROW])
-    train = write_jsonl(tmp_path / "code_train.jsonl", [{**CODE_ROW, "task": "add2", "prompt": "def add(a, b):\n"}])
-    src = source(kind="jsonl", path=str(train), id="task", prompt={"template": "Complete:\n{prompt}"},
-                 answer={"field": "solution"}, heldout={"path": str(path)},
-                 verifier={"name": "code", "config": {"test_field": "tests", "entry_point_field": "fn",
-                                                      "prefix_field": "prompt"}})
-    (task,) = src.heldout
-    right = asyncio.run(score_answer("```python\n    return a + b\n```", task, sandbox))
-    wrong = asyncio.run(score_answer("def add(a, b):\n    return a - b\n", task, sandbox))
-    assert right[0] == 1.0 and right[1]["tests"]["passed"] == 2
-    # a - b: 1 - 2 = -1 fails `== 3`; -1 - 1 = -2 fails `== 0`: no case passes
-    assert wrong[0] == 0.0 and wrong[1]["tests"] == {**wrong[1]["tests"], "passed": 0, "total": 2, "reason": "ok"}
 
 
 # ---- the fingerprint -------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import textwrap
 import time
 import uuid
@@ -18,24 +17,12 @@ from factory.rewards import score_answer
 from factory.rewards.code import (
     CodeScore, candidate_source, count_cases, extract_code, parse_report, score_code,
 )
-from factory.sandbox import Limits, SandboxPool, SandboxUnavailable, make_sandbox
+from factory.sandbox import Limits, SandboxPool
 
 from ..sandbox.conftest import nobody_processes
 
 TASKS = {t.task_id: t for t in load_code_tasks()}
 BROKEN = {row["task_id"]: row for row in map(json.loads, BROKEN_PATH.read_text().splitlines())}
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    try:
-        box = make_sandbox("bubblewrap")
-    except SandboxUnavailable as err:
-        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
-            pytest.fail(f"bubblewrap sandbox unavailable in CI: {err}")
-        pytest.skip(f"bubblewrap sandbox unavailable here: {err}")
-    yield box
-    box.close()
 
 
 def harness_processes() -> set[int]:

@@ -4,6 +4,7 @@ spec check a recipe relies on, and scoring through a task's spec (extractor, the
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -194,3 +195,24 @@ def test_a_verifier_that_runs_code_needs_a_sandbox():
                                       "test": "def check(c):\n    assert c() == 1\n", "entry_point": "f"})
     with pytest.raises(ValueError, match="the code verifier needs a sandbox"):
         asyncio.run(score_with(task.metadata["verifier"], "def f():\n    return 1\n", task, None))
+
+
+def test_code_rows_are_scored_by_their_own_unit_tests(tmp_path, sandbox):
+    from factory.data.sources import FileTaskSource
+    from factory.recipe import DataSource
+
+    row = {"task": "add", "prompt": "def add(a, b):\n    \"\"\"a + b\"\"\"\n", "fn": "add", "solution": "    return a + b\n",
+           "tests": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(-1, 1) == 0\n"}
+    (tmp_path / "code.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "train.jsonl").write_text(json.dumps({**row, "task": "add2", "prompt": "def add(a, b):\n"}) + "\n")
+    spec = DataSource.model_validate({
+        "name": "mine", "kind": "jsonl", "path": str(tmp_path / "train.jsonl"), "id": "task",
+        "prompt": {"template": "Complete:\n{prompt}"}, "answer": {"field": "solution"},
+        "heldout": {"path": str(tmp_path / "code.jsonl")},
+        "verifier": {"name": "code", "config": {"test_field": "tests", "entry_point_field": "fn", "prefix_field": "prompt"}}})
+    (task,) = FileTaskSource(spec, 0).heldout
+    right = asyncio.run(score_answer("```python\n    return a + b\n```", task, sandbox))
+    wrong = asyncio.run(score_answer("def add(a, b):\n    return a - b\n", task, sandbox))
+    assert right[0] == 1.0 and right[1]["tests"]["passed"] == 2
+    # a - b: 1 - 2 = -1 fails `== 3`; -1 - 1 = -2 fails `== 0`: no case passes
+    assert wrong[0] == 0.0 and (wrong[1]["tests"]["passed"], wrong[1]["tests"]["reason"]) == (0, "ok")
