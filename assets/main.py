@@ -118,9 +118,10 @@ def print_next_steps(recipe: Recipe, key: str, dagster_run_id: str) -> None:
              f"Dagster UI (asset graph, this run, sweeps): {shown(python)} -m assets -p 3000",
              f"    then http://127.0.0.1:3000/asset-groups and http://127.0.0.1:3000/runs/{dagster_run_id}"]
     if recipe.tracking.enabled:
-        uri = _tracking_uri(recipe)
-        lines += [f"MLflow UI (metrics, plots):  {shown(venv_bin / 'mlflow')} ui --backend-store-uri {uri} --port 5000",
-                  f"    then http://127.0.0.1:5000 (experiment '{recipe.tracking.experiment}', run '{key}')"]
+        from factory.tracking import ui_hint
+
+        lines += [f"MLflow UI (metrics, plots):  {ui_hint(_tracking_uri(recipe), shown(venv_bin / 'mlflow'))}",
+                  f"    (experiment '{recipe.tracking.experiment}', run '{key}')"]
     if recipe.lake.enabled:
         lines += [f'SQL over the lake:  {state_prefix()}{shown(venv_bin / "factory")} lake sql "{query}"']
     print("\n".join(lines))

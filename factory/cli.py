@@ -135,10 +135,10 @@ def where_to_look(recipe: Recipe, run_dir: Path) -> list[str]:
     bin_dir = Path(sys.executable).parent
     lines = []
     if recipe.tracking.enabled:
-        from factory.tracking import default_tracking_uri
+        from factory.tracking import default_tracking_uri, ui_hint
 
         uri = recipe.tracking.uri or default_tracking_uri()
-        lines.append(f"MLflow UI          : {bin_dir / 'mlflow'} ui --backend-store-uri {uri} --port 5000 "
+        lines.append(f"MLflow UI          : {ui_hint(uri, str(bin_dir / 'mlflow'))} "
                      f"(experiment '{recipe.tracking.experiment}', run '{run_dir.name}')")
     if recipe.lake.enabled:
         query = samples_by_status_query(run_dir.name)

@@ -77,15 +77,16 @@ class RunRecorder:
         if recipe.tracking.enabled:
             from factory.tracking import RunTracker
 
-            self.tracker = RunTracker(recipe.tracking.uri, recipe.tracking.experiment)
+            self.tracker = RunTracker(recipe.tracking.uri, recipe.tracking.experiment,
+                                      outage_deadline_s=recipe.deadlines.service_outage_s,
+                                      spill_path=run_dir / "tracking-spill.jsonl")
             resume = self.tracker.find_run(self.run_id)  # a relaunched run continues its MLflow run
             tags = {"factory.resumed_from_step": str(start)} if resume_from is not None else {}
             if lineage.context().get("mlflow_parent_run_id"):  # a sweep's child run
                 tags["mlflow.parentRunId"] = lineage.context()["mlflow_parent_run_id"]
-            mlflow_run_id = self.tracker.start(self.run_id, params=recipe.dump(), tags=tags, resume_run_id=resume)
+            self.tracker.start(self.run_id, params=recipe.dump(), tags=tags, resume_run_id=resume)
             # MLflow 3's UI opens an experiment without this tag on its GenAI (traces) view; ours hold training runs
-            experiment = self.tracker.client.get_run(mlflow_run_id).info.experiment_id
-            self.tracker.client.set_experiment_tag(experiment, EXPERIMENT_KIND_TAG, "custom_model_development")
+            self.tracker.set_experiment_tag(EXPERIMENT_KIND_TAG, "custom_model_development")
         if resume_from is not None and self.lake is not None:  # its row may not have been committed before the crash
             self.log_checkpoint(start, start, Path(resume_from))
 
@@ -153,6 +154,8 @@ class RunRecorder:
         self.origin()
         if self.lake is not None:
             metrics = {**metrics, **self.lake.metrics()}
+        if self.tracker is not None:  # tracking/outage_s: how long MLflow was unreachable so far
+            metrics = {**metrics, **self.tracker.metrics()}
         self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.metrics_file.flush()
         if self.lake is not None:

@@ -4,24 +4,42 @@ Store: the tracking URI given (from the recipe), else the production profile's t
 else $MLFLOW_TRACKING_URI, else a SQLite store at `<state>/mlflow/mlflow.db` with artifacts under
 `<state>/mlflow/artifacts`.
 A resumed RL run continues its MLflow run (`start(..., resume_run_id=...)`), so its curves stay one.
+
+Outages of the store (the server, or its database behind it) do not stop training: each step's
+metrics and tags go into a queue that one background thread sends, retrying with backoff and jitter
+(`factory.outage`) up to `outage_deadline_s` (the recipe's `deadlines.service_outage_s`). At most
+`max_queued` batches wait in memory; later ones spill to `spill_path` (JSON lines) and are sent
+from there once the store answers. A batch sent twice (its answer lost) is stored once: each metric
+keeps the timestamp it was logged with, and MLflow skips a metric it already holds. Other calls
+(start, artifacts, the run's status) retry the same way in the caller. `tracking/outage_s` reports
+the time spent in outages; past the deadline a one-line `ServiceOutage` names the store and what
+was kept.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
+import threading
 import time
-from collections import Counter
+from collections import Counter, deque
+from functools import partial
 from pathlib import Path
-from typing import Any
-from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Mapping
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is imported
+# MLflow's own HTTP retries (7, ~4 min per call) would hide deadlines.service_outage_s: RunTracker retries
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
 
+import requests  # noqa: E402
 from mlflow import MlflowClient  # noqa: E402
 from mlflow.entities import Metric, Param, RunStatus, RunTag  # noqa: E402
+from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.utils.validation import (  # noqa: E402
     MAX_ENTITY_KEY_LENGTH,
     MAX_METRICS_PER_BATCH,
@@ -31,7 +49,13 @@ from mlflow.utils.validation import (  # noqa: E402
 )
 
 from factory import profile  # noqa: E402
+from factory.failures import ServiceOutage  # noqa: E402
+from factory.outage import Outage, retry  # noqa: E402
 from factory.paths import state_dir  # noqa: E402
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_QUEUED = 256  # batches (a step's metrics is one) waiting in memory while the store is unreachable
 
 DEFAULT_EXPERIMENT = "factory"
 RUN_TAG = "factory.run"  # the RL run's name, to find its MLflow run again on resume
@@ -51,6 +75,28 @@ def default_tracking_uri() -> str:
     root = state_dir() / "mlflow"
     root.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def transient(error: BaseException) -> bool:
+    """An error of an unreachable or overloaded store: connection refused, a timeout, HTTP 408/429/5xx
+    (a server whose database is down answers 503). A request MLflow rejects (4xx) is not retried."""
+    if isinstance(error, MlflowException):
+        status = error.get_http_status_code()
+        return status >= 500 or status in (408, 429)
+    return isinstance(error, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, OSError))
+
+
+def shown_uri(uri: str) -> str:
+    """A tracking URI without its password, for messages."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", uri)
+
+
+def ui_hint(uri: str, mlflow_bin: str = "mlflow") -> str:
+    """How to see runs of the store at `uri`: a server's own URL, or the `mlflow ui` command that serves
+    a local store (a server already holds its port: starting a UI on it would fail)."""
+    if uri.startswith(("http://", "https://")):
+        return shown_uri(uri)
+    return f"{mlflow_bin} ui --backend-store-uri {uri} --port 5000, then http://127.0.0.1:5000"
 
 
 def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -76,13 +122,30 @@ def mlflow_key(name: str) -> str:
 class RunTracker:
     """One MLflow run for one RL run: `start` → `log_metrics`/`log_artifact`/`log_plots` → `end`."""
 
-    def __init__(self, tracking_uri: str | None = None, experiment: str = DEFAULT_EXPERIMENT) -> None:
+    def __init__(self, tracking_uri: str | None = None, experiment: str = DEFAULT_EXPERIMENT, *,
+                 outage_deadline_s: float = 300.0, spill_path: Path | None = None,
+                 max_queued: int = MAX_QUEUED) -> None:
         uri = tracking_uri or default_tracking_uri()
         self.tracking_uri = uri
         self._client: MlflowClient | None = None
         self.experiment = experiment
         self.run_id: str | None = None
-        self._queued: list = []  # MLflow RunOperations of metrics not yet known to be stored
+        self.outage = Outage(lambda _: f"the MLflow tracking store ({shown_uri(uri)})", outage_deadline_s)
+        self.spill_path = Path(spill_path) if spill_path is not None else None  # None: the queue is unbounded
+        self.max_queued = max_queued
+        self._lock = threading.Condition()
+        self._queue: deque[dict[str, Any]] = deque()  # batches to send: {"run_id", "metrics", "tags"}
+        self._spilled = 0  # batches in the spill file not yet sent (sent from `_spill_offset` on)
+        self._spill_offset = 0
+        self._spilled_total = 0
+        self._busy = False
+        self._closing = False
+        self._sender: threading.Thread | None = None
+        self._error: BaseException | None = None  # a batch the store refused
+        self._gave_up: ServiceOutage | None = None
+        if self.spill_path is not None:
+            # a crashed attempt's unsent batches: steps past its checkpoint, which the resumed run logs anew
+            self.spill_path.unlink(missing_ok=True)
 
     @property
     def client(self) -> MlflowClient:
@@ -91,23 +154,35 @@ class RunTracker:
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 
+    def _call(self, fn: Callable[[], T]) -> T:
+        """`fn()` (a call to the store), retried through an outage up to the deadline."""
+        if self._gave_up is not None:
+            raise self._gave_up
+        try:
+            return retry(fn, self.outage, transient, kept=self._kept)
+        except ServiceOutage as error:
+            with self._lock:
+                self._gave_up = self._gave_up or error
+            raise
+
     def _experiment_id(self) -> str:
-        found = self.client.get_experiment_by_name(self.experiment)
+        found = self._call(partial(self.client.get_experiment_by_name, self.experiment))
         if found is not None:
             return found.experiment_id
         artifacts = None  # a server chooses its own artifact store
         if self.tracking_uri.startswith("sqlite:///"):  # beside the database, not MLflow's ./mlruns
             db = Path(self.tracking_uri.removeprefix("sqlite:///"))
             artifacts = (db.parent / "artifacts").resolve().as_uri()
-        return self.client.create_experiment(self.experiment, artifact_location=artifacts)
+        return self._call(partial(self.client.create_experiment, self.experiment, artifact_location=artifacts))
 
     def find_run(self, run_name: str) -> str | None:
         """The MLflow run id of the newest run started for RL run `run_name`, if any."""
-        found = self.client.get_experiment_by_name(self.experiment)
+        found = self._call(partial(self.client.get_experiment_by_name, self.experiment))
         if found is None:
             return None
-        runs = self.client.search_runs([found.experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{run_name}'",
-                                       order_by=["attributes.start_time DESC"], max_results=1)
+        runs = self._call(partial(self.client.search_runs, [found.experiment_id],
+                                  filter_string=f"tags.`{RUN_TAG}` = '{run_name}'",
+                                  order_by=["attributes.start_time DESC"], max_results=1))
         return runs[0].info.run_id if runs else None
 
     def start(self, run_name: str, params: Mapping[str, Any] | None = None,
@@ -120,58 +195,73 @@ class RunTracker:
         tags = {RUN_TAG: run_name, **(tags or {})}
         flat = flatten_params(params or {})
         if resume_run_id is not None:
-            run = self.client.get_run(resume_run_id)
+            run = self._call(partial(self.client.get_run, resume_run_id))
             self.run_id = run.info.run_id
-            self.client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+            self._call(partial(self.client.update_run, self.run_id, status=RunStatus.to_string(RunStatus.RUNNING)))
             old = run.data.params
             changed = {f"factory.param_changed.{k}": v for k, v in flat.items() if k in old and old[k] != v}
             flat = {k: v for k, v in flat.items() if k not in old}
             resumes = int(run.data.tags.get("factory.resumed", "0")) + 1
             tags = {**tags, **changed, "factory.resumed": str(resumes)}
         else:
-            run = self.client.create_run(self._experiment_id(), run_name=run_name)
+            # a retried create whose answer was lost leaves an empty run behind; the RL run uses the last one
+            run = self._call(partial(self.client.create_run, self._experiment_id(), run_name=run_name))
             self.run_id = run.info.run_id
-        self._log_params_and_tags(flat, tags)
-        return self.run_id
-
-    def set_tags(self, tags: Mapping[str, str]) -> None:
-        """Set tags on the open run (e.g. its lineage: git sha, recipe hash, base policy, Dagster run)."""
-        self._log_params_and_tags({}, tags)
-
-    def _log_params_and_tags(self, params: dict[str, str], tags: Mapping[str, str]) -> None:
-        run_id = self._id()
-        entities: list[Param | RunTag] = [Param(k, v) for k, v in params.items()]
+        run_id = self.run_id
+        entities: list[Param | RunTag] = [Param(k, v) for k, v in flat.items()]
         entities += [RunTag(mlflow_key(k), str(v)[:MAX_TAG_VAL_LENGTH]) for k, v in tags.items()]
         for chunk in _chunks(entities, MAX_PARAMS_TAGS_PER_BATCH):
-            self.client.log_batch(run_id, params=[e for e in chunk if isinstance(e, Param)],
-                                  tags=[e for e in chunk if isinstance(e, RunTag)])
+            self._call(partial(self.client.log_batch, run_id, params=[e for e in chunk if isinstance(e, Param)],
+                               tags=[e for e in chunk if isinstance(e, RunTag)]))
+        return run_id
+
+    def set_experiment_tag(self, key: str, value: str) -> None:
+        """Tag the open run's experiment."""
+        run = self._call(partial(self.client.get_run, self._id()))
+        self._call(partial(self.client.set_experiment_tag, run.info.experiment_id, key, value))
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Set tags on the open run (e.g. its lineage: git sha, recipe hash, base policy, Dagster run); queued."""
+        run_id = self._id()
+        items = [[mlflow_key(k), str(v)[:MAX_TAG_VAL_LENGTH]] for k, v in tags.items()]
+        for chunk in _chunks(items, MAX_PARAMS_TAGS_PER_BATCH):
+            self._enqueue({"run_id": run_id, "metrics": [], "tags": chunk})
 
     def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Log one step's numeric metrics in one `log_batch` call (non-numbers are skipped).
-
-        Asynchronous (MLflow's logging queue): a SQLite write took ~50 ms of the training loop's
-        ~0.8 s step here. `flush` (and `end`) wait for every queued batch and raise its error."""
+        """Queue one step's numeric metrics (non-numbers are skipped) for the sender thread: the
+        training loop never waits for the store. `flush` (and `end`) wait until they are stored."""
         run_id, now = self._id(), int(time.time() * 1000)
-        batch = [Metric(mlflow_key(k), float(v), now, int(step)) for k, v in metrics.items()
-                 if isinstance(v, (int, float))]
+        batch = [[mlflow_key(k), float(v), now, int(step)] for k, v in metrics.items() if isinstance(v, (int, float))]
         for chunk in _chunks(batch, MAX_METRICS_PER_BATCH):
-            op = self.client.log_batch(run_id, metrics=chunk, synchronous=False)
-            if op is not None:
-                self._queued.append(op)
+            self._enqueue({"run_id": run_id, "metrics": chunk, "tags": []})
+
+    def metrics(self) -> dict[str, float]:
+        """tracking/outage_s: seconds the store was unreachable so far; tracking/queued_batches: batches
+        not yet stored; tracking/spilled_batches: batches that waited on disk."""
+        with self._lock:
+            queued = len(self._queue) + self._spilled + int(self._busy)
+            spilled = self._spilled_total
+        return {"tracking/outage_s": self.outage.seconds(), "tracking/queued_batches": float(queued),
+                "tracking/spilled_batches": float(spilled)}
 
     def flush(self) -> None:
-        """Wait until every metric logged so far is in the store."""
-        queued, self._queued = self._queued, []
-        for op in queued:
-            op.wait()
+        """Wait until every batch queued so far is in the store (or raise why it is not)."""
+        with self._lock:
+            while (self._queue or self._spilled or self._busy) and self._gave_up is None and self._error is None:
+                self._lock.wait(timeout=1.0)
+            gave_up, error, self._error = self._gave_up, self._error, None
+        if gave_up is not None:
+            raise gave_up
+        if error is not None:
+            raise error
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Copy a file (or directory) into the run's artifacts."""
         run_id, path = self._id(), Path(path)
         if path.is_dir():
-            self.client.log_artifacts(run_id, str(path), artifact_path)
+            self._call(partial(self.client.log_artifacts, run_id, str(path), artifact_path))
         else:
-            self.client.log_artifact(run_id, str(path), artifact_path)
+            self._call(partial(self.client.log_artifact, run_id, str(path), artifact_path))
 
     def log_plots(self, metrics_jsonl: str | Path, staleness: Iterable[int] = (),
                   out_dir: str | Path | None = None) -> list[Path]:
@@ -184,7 +274,7 @@ class RunTracker:
         `staleness` the per-sample staleness of trained samples. Plots whose data is absent are
         skipped. Returns the PNG paths.
         """
-        run_id, metrics_jsonl = self._id(), Path(metrics_jsonl)
+        metrics_jsonl = Path(metrics_jsonl)
         out = Path(out_dir) if out_dir is not None else metrics_jsonl.parent / "plots"
         out.mkdir(parents=True, exist_ok=True)
         series = read_series(metrics_jsonl, [REWARD_METRIC, THROUGHPUT_METRIC, *WINDOWED_THROUGHPUT.values()])
@@ -198,21 +288,104 @@ class RunTracker:
         if staleness:
             made.append(_staleness_histogram(staleness, out / "staleness.png"))
         for path in made:
-            self.client.log_artifact(run_id, str(path), "plots")
+            self.log_artifact(path, "plots")
         return made
 
     def end(self, status: str = "FINISHED") -> None:
-        """Close the run with FINISHED, FAILED or KILLED (after its queued metrics are stored)."""
-        if self.run_id is not None:
-            try:
-                self.flush()
-            finally:  # closed even when a queued metric failed to store
-                self.client.set_terminated(self.run_id, status=status)
+        """Close the run with FINISHED, FAILED or KILLED (after its queued batches are stored)."""
+        try:
+            if self.run_id is not None:
+                try:
+                    self.flush()
+                finally:  # closed even when a queued batch failed to store (not after an outage: it would wait again)
+                    self._call(partial(self.client.set_terminated, self.run_id, status=status))
+        finally:
+            with self._lock:
+                self._closing = True
+                self._lock.notify_all()
+            if self._sender is not None:
+                self._sender.join(timeout=10)
 
     def _id(self) -> str:
         if self.run_id is None:
             raise RuntimeError("RunTracker: call start() first")
         return self.run_id
+
+    # ---- the sender thread: queued batches into the store, in order ---------------------------
+
+    def _enqueue(self, batch: dict[str, Any]) -> None:
+        with self._lock:
+            if self._gave_up is not None:
+                raise self._gave_up
+            if self.spill_path is not None and (self._spilled or len(self._queue) >= self.max_queued):
+                with open(self.spill_path, "a") as out:  # after the memory queue, in order
+                    out.write(json.dumps(batch) + "\n")
+                self._spilled += 1
+                self._spilled_total += 1
+            else:
+                self._queue.append(batch)
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_all, name="mlflow-sender", daemon=True)
+                self._sender.start()
+            self._lock.notify_all()
+
+    def _next_batch(self) -> dict[str, Any] | None:
+        """The oldest unsent batch: memory first, then the spill file (lock held)."""
+        if self._queue:
+            return self._queue.popleft()
+        assert self.spill_path is not None and self._spilled
+        with open(self.spill_path) as spill:
+            spill.seek(self._spill_offset)
+            line = spill.readline()
+            self._spill_offset = spill.tell()
+        self._spilled -= 1
+        if not self._spilled:  # all sent: new batches go to memory again
+            self.spill_path.unlink(missing_ok=True)
+            self._spill_offset = 0
+        return json.loads(line)
+
+    def _send_all(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._queue or self._spilled or self._closing):
+                    self._lock.wait()
+                if not (self._queue or self._spilled):
+                    return
+                batch = self._next_batch()
+                self._busy = True
+            try:
+                self._call(partial(self._store, batch))
+            except ServiceOutage:
+                with self._lock:
+                    self._queue.appendleft(batch)
+                    if self.spill_path is not None:  # keep every unsent batch on disk
+                        while self._queue:
+                            with open(self.spill_path, "a") as out:
+                                out.write(json.dumps(self._queue.pop()) + "\n")
+                            self._spilled += 1
+                    self._gave_up = self.outage.error(self._kept())
+                    log.error("%s", self._gave_up)
+                    self._busy = False
+                    self._lock.notify_all()
+                return
+            except Exception as error:  # the store refused it (not an outage): `flush` raises it
+                log.warning("MLflow refused a batch of run %s: %s", batch["run_id"], error)
+                with self._lock:
+                    self._error = error
+            with self._lock:
+                self._busy = False
+                self._lock.notify_all()
+
+    def _store(self, batch: dict[str, Any]) -> None:
+        self.client.log_batch(batch["run_id"], metrics=[Metric(k, v, t, s) for k, v, t, s in batch["metrics"]],
+                              tags=[RunTag(k, v) for k, v in batch["tags"]])
+
+    def _kept(self) -> str:
+        with self._lock:
+            memory, spilled = len(self._queue) + int(self._busy), self._spilled
+        where = f"{spilled} unsent batches in {self.spill_path}" if spilled else "nothing on disk"
+        return (f"every step's metrics in the run dir's metrics.jsonl; {where}"
+                f"{f', {memory} in memory' if memory else ''}")
 
 
 def read_series(metrics_jsonl: Path, names: Iterable[str]) -> dict[str, list[tuple[int, float]]]:

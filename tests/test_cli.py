@@ -73,6 +73,16 @@ def test_the_summary_names_plots_and_prints_commands_for_this_state_dir(capsys, 
         assert "FACTORY_HOME" not in lake and f"sqlite:///{REPO_ROOT / '.state' / 'mlflow' / 'mlflow.db'}" in mlflow
 
 
+
+def test_with_a_tracking_server_the_summary_prints_its_url_not_an_mlflow_ui_command(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5123")
+    run_dir = tmp_path / "default-20260101-000000"
+    run_dir.mkdir()
+    print_summary({"run_dir": str(run_dir), "total_seconds": 1.0, "train_seconds": 1.0, "samples_trained": 8,
+                   "trainer_idle_fraction": 0.1}, load_recipe(DEFAULT))
+    mlflow = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("MLflow UI"))
+    assert "http://127.0.0.1:5123 (experiment" in mlflow and " ui " not in mlflow
+
 def test_resume_names_what_is_missing_in_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("FACTORY_HOME", str(tmp_path))
     runs = tmp_path / "runs"

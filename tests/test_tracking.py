@@ -118,3 +118,120 @@ def test_using_the_tracker_before_start_is_an_error(tmp_path):
     with pytest.raises(RuntimeError, match="start"):
         tracker.log_metrics(0, {"a": 1.0})
     assert not (tmp_path / "unused.db").exists()  # the store is opened lazily
+
+
+class TrackingServer:
+    """A real MLflow tracking server (its Flask app over a SQLite store) on a fixed port, in this
+    process, stopped and started again to make an outage. One request per connection (no keep-alive),
+    so a stopped server refuses every request."""
+
+    def __init__(self, root):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.env = {"_MLFLOW_SERVER_FILE_STORE": f"sqlite:///{root / 'server.db'}",
+                    "_MLFLOW_SERVER_ARTIFACT_ROOT": (root / "artifacts").as_uri(), "_MLFLOW_SERVER_SERVE_ARTIFACTS": "false"}
+        self.server = None
+
+    def start(self) -> None:
+        import threading
+
+        from mlflow.server import app
+        from werkzeug.serving import make_server
+
+        self.server = make_server("127.0.0.1", self.port, app, threaded=False)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    server = TrackingServer(root)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in server.env.items():
+            mp.setenv(key, value)
+        mp.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # RunTracker's own retries only: the outage shows at once
+        server.start()
+        yield server
+        server.stop()
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_a_server_outage_shorter_than_the_deadline_is_waited_out_and_every_step_stored_once(server, tmp_path):
+    import time
+
+    spill = tmp_path / "tracking-spill.jsonl"
+    tracker = RunTracker(server.uri, outage_deadline_s=60, spill_path=spill, max_queued=2)
+    run_id = tracker.start("outage", params={"a": 1})
+    tracker.log_metrics(1, {"x": 1.0})
+    tracker.flush()
+    server.stop()
+    try:
+        started = time.monotonic()
+        for step in range(2, 9):  # the loop goes on: logging returns at once, batches beyond 2 wait on disk
+            tracker.log_metrics(step, {"x": float(step)})
+        tracker.set_tags({"lineage": "kept"})
+        assert time.monotonic() - started < 0.5
+        assert len(spill.read_text().splitlines()) >= 5
+        wait_until(lambda: tracker.outage.down)
+        time.sleep(0.2)  # the outage lasts a while
+    finally:
+        server.start()
+    tracker.end("FINISHED")
+    assert tracker.metrics()["tracking/outage_s"] >= 0.2 and tracker.metrics()["tracking/spilled_batches"] >= 5
+    assert not spill.exists()
+    client = MlflowClient(server.uri)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "x")) == list(range(1, 9))
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["lineage"] == "kept"
+
+
+def test_a_server_outage_past_the_deadline_stops_with_one_line_and_keeps_the_batches(server, tmp_path):
+    import time
+
+    from factory.failures import ServiceOutage
+
+    spill = tmp_path / "tracking-spill.jsonl"
+    tracker = RunTracker(server.uri, outage_deadline_s=0.5, spill_path=spill, max_queued=100)
+    tracker.start("gone")
+    server.stop()
+    try:
+        for step in (1, 2, 3):
+            tracker.log_metrics(step, {"x": float(step)})
+        with pytest.raises(ServiceOutage) as failed:
+            tracker.flush()
+        started = time.monotonic()
+        with pytest.raises(ServiceOutage):
+            tracker.end("FAILED")  # no second wait
+        assert time.monotonic() - started < 1.0
+    finally:
+        server.start()
+    message = str(failed.value)
+    assert "\n" not in message
+    assert message.startswith(f"the MLflow tracking store ({server.uri}) unreachable for ")
+    assert "deadlines.service_outage_s=0.5 s" in message and f"3 unsent batches in {spill}" in message
+    kept = [json.loads(line) for line in spill.read_text().splitlines()]
+    assert sorted(m[3] for batch in kept for m in batch["metrics"]) == [1, 2, 3]
+
+
+def test_the_ui_hint_is_a_servers_url_or_the_command_that_serves_a_local_store():
+    from factory.tracking import ui_hint
+
+    assert ui_hint("http://user:secret@10.0.0.5:5000") == "http://user:***@10.0.0.5:5000"
+    assert ui_hint("sqlite:////s/mlflow.db", "/v/bin/mlflow") == \
+        "/v/bin/mlflow ui --backend-store-uri sqlite:////s/mlflow.db --port 5000, then http://127.0.0.1:5000"
