@@ -10,6 +10,7 @@ One partition of `rl_runs` is one RL run. Its key names the run directory
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,6 +47,19 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.=+-]+")
 def user_error(message: str) -> dg.Failure:
     """A failure the user must fix (bad recipe, finished run, missing file): not relaunched."""
     return dg.Failure(description=message, metadata={RETRYABLE: False}, allow_retries=False)
+
+
+def progress_log(log):
+    """`log(message)` (a Dagster log call) that an outage of the event log's database cannot turn into a
+    failed run: the line is lost, the run's own metrics, MLflow and the lake keep the record."""
+    def call(message: str) -> None:
+        try:
+            log(message)
+        except Exception as err:  # noqa: BLE001  (Dagster raises its storage's error, e.g. psycopg2's)
+            print(f"dagster event log unreachable, progress line dropped: {str(err).splitlines()[0][:200]}",
+                  file=sys.stderr, flush=True)
+
+    return call
 
 
 def calls(*callbacks):

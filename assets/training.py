@@ -20,7 +20,8 @@ from assets.sandboxes import sandbox_image
 from assets.resources import LakeResource, ProgressResource, RayResource, TrackingResource
 from assets.runs import (
     CHECKPOINT_KEY, KIND_TAG, LAUNCH_REQUEST, PARENT_RUN_TAG, RL_RUN_KEY, RL_RUNS, SWEEP_RUN_TAG, calls,
-    checkpoint_step, checkpoints, is_finished, latest_checkpoint, load_recipe_or_fail, run_dir, saved_recipe, user_error,
+    checkpoint_step, checkpoints, is_finished, latest_checkpoint, load_recipe_or_fail, progress_log, run_dir,
+    saved_recipe, user_error,
 )
 
 # Checkpoints are their own node in the asset graph (rl_run ─▶ checkpoint ─▶ evaluation): rl_run reports
@@ -98,11 +99,12 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
         raise user_error(f"resume_from: {resume} is not a checkpoint (no state.json)")
     recipe = tracking.configure(lake.configure(recipe))
     every = max(1, recipe.train.steps // 20)
+    info = progress_log(context.log.info)  # a Postgres restart mid-run must not fail the run through its log
 
     def log_step(report) -> None:
         if report.step % every == 0 or report.step == recipe.train.steps:
             m = report.metrics
-            context.log.info(f"step {report.step}/{recipe.train.steps} "
+            info(f"step {report.step}/{recipe.train.steps} "
                              f"reward {m.get('rollout/reward_mean', 0):.3f} "
                              f"{m.get('perf/generated_samples_per_s', 0):.0f} generated / "
                              f"{m.get('perf/trained_samples_per_s', 0):.0f} trained samples/s (last 20 steps) "
@@ -112,7 +114,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
 
     def log_sft_step(step: int, total: int, loss: float) -> None:
         if step % sft_every == 0 or step == total:
-            context.log.info(f"SFT warm start step {step}/{total} loss {loss:.4f}")
+            info(f"SFT warm start step {step}/{total} loss {loss:.4f}")
 
     if resume is not None:
         context.log.info(f"resuming {key} from {resume} (step {checkpoint_step(resume)})")
@@ -128,7 +130,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
         try:
             results = run(recipe, directory, resume_from=resume,
                           on_step=calls(log_step, bars and bars.on_step),
-                          on_phase=calls(context.log.info, bars and bars.on_phase),
+                          on_phase=calls(info, bars and bars.on_phase),
                           on_sft_step=calls(log_sft_step, bars and bars.on_sft_step))
         except EnvironmentFailure as err:  # the environment needs a fix: relaunching would fail the same way
             raise user_error(str(err)) from err
