@@ -272,10 +272,12 @@ class Trainer:
         return out
 
     @torch.no_grad()
-    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
-        """The current policy's logprob of every completion token of each sample (tests, scoring)."""
+    def logprobs(self, samples: list[Sample], bf16: bool = False) -> list[list[float]]:
+        """The current policy's logprob of every completion token of each sample (tests, scoring).
+        `bf16`: with the matrix products in bf16 (how far bf16 rounding moves each logprob)."""
         tensors = to_device(pad_samples(samples, self.tokenizer.pad_token_id), self.device)
-        logp = self._forward(self.policy, tensors).cpu()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            logp = self._forward(self.policy, tensors).cpu()
         return [logp[i, : len(s.completion_ids)].tolist() for i, s in enumerate(samples)]
 
     # ---- weights out -------------------------------------------------------------------------

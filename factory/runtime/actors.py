@@ -131,6 +131,10 @@ class EngineActor(Placed):
         """Many `generate` calls in one Ray call: each result is a Generation or the exception it raised."""
         return await asyncio.gather(*(self.engine.generate(*r) for r in requests), return_exceptions=True)
 
+    async def weight_checksum(self, name: str) -> float:
+        """Sum (in float32) of one parameter as the engine holds it (vLLM; tests check an update is exact)."""
+        return await self.engine.weight_checksum(name)
+
     async def set_partial_rollout(self, mode: str) -> None:
         """Switch what happens to in-flight requests at an update (a shared engine serves many runs)."""
         if mode not in self.kind.partial_rollouts:
@@ -449,6 +453,7 @@ class TrainerActor(Placed):
 
     def __init__(self, model: str | DirBundle, algorithm, train, rollout, shape: dict | None = None,
                  rank: int = 0, world_size: int = 1):
+
         self.args = (local_dir(model, "trainer model"), algorithm, train, rollout, shape)
         self.rank, self.world_size = rank, world_size
         self._store = None
@@ -536,8 +541,14 @@ class TrainerActor(Placed):
     def train_step(self, batch: Batch) -> dict[str, float]:
         return self.trainer.train_step(batch)
 
-    def logprobs(self, samples) -> list[list[float]]:
-        return self.trainer.logprobs(samples)
+    def logprobs(self, samples, bf16: bool = False) -> list[list[float]]:
+        return self.trainer.logprobs(samples, bf16)
+
+    def weight_checksum(self, name: str, dtype: str) -> float:
+        """Sum (in float32) of one weight rounded to `dtype`: what an engine serving that dtype must hold."""
+        from factory.weightsync import DTYPES
+
+        return float(dict(self.trainer.weight_items())[name].to(DTYPES[dtype]).float().sum())
 
     def checkpoint(self, extra: dict) -> DirBundle:
         """A checkpoint (see Trainer.save_checkpoint) as a bundle — this rank's part of it when there

