@@ -222,6 +222,17 @@ def test_the_fingerprint_follows_the_rows_not_the_file(tmp_path):
     assert dataset_fingerprint(data(train, heldout={"size": 1, "seed": 1})) != first  # another split
 
 
+def test_a_runs_origin_names_its_dataset(tmp_path):
+    from factory import lineage
+
+    train = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    spec = {"name": "mine", "kind": "jsonl", "path": str(train), **GSM8K, "heldout": {"size": 1}}
+    recipe = recipe_from_dict({"data": {"sources": [spec]}})
+    origin = lineage.origin(recipe, None)
+    assert origin["dataset"] == dataset_fingerprint(recipe.data)
+    assert lineage.mlflow_tags(origin)["factory.dataset"] == origin["dataset"]
+
+
 def test_families_keep_their_fingerprint_and_mix_with_sources(tmp_path):
     import hashlib
 
