@@ -136,7 +136,9 @@ class Actors:
 
     def nodes(self) -> dict:
         """Which node each role landed on."""
+        ranks = getattr(self.trainer, "ranks", [self.trainer])  # a TrainerGroup's, or the one trainer
         return {"driver": node_ip(), "trainer": ray.get(self.trainer.node_ip.remote()),
+                "trainer_ranks": ray.get([r.node_ip.remote() for r in ranks]),
                 "buffer": ray.get(self.buffer.node_ip.remote()),
                 "engines": ray.get([e.node_ip.remote() for e in self.engines]),
                 "env_workers": ray.get([w.node_ip.remote() for w in self.workers])}

@@ -52,13 +52,13 @@ up() {
   ip -n "$NODE_NS" link set "$NAME-n" up
 
   ip netns exec "$HEAD_NS" env "${NODE_ENV[@]}" "$RAY" start --head --node-ip-address "$HEAD_IP" --port "$PORT" \
-    --temp-dir "$CLUSTER_DIR/ray-head" --num-cpus 8 --resources '{"trainer": 4}' --include-dashboard false \
+    --temp-dir "$CLUSTER_DIR/ray-head" --num-cpus 8 --resources '{"trainer": 4, "trainer_rank": 1}' --include-dashboard false \
     --disable-usage-stats > "$CLUSTER_DIR/head.log" 2>&1 || { cat "$CLUSTER_DIR/head.log" >&2; die "ray head did not start"; }
   # node 2: a private mount namespace with an empty tmpfs over the state dir, then its Ray worker node
   ip netns exec "$NODE_NS" unshare -m --propagation private sh -c \
     'mount -t tmpfs -o size=8g factory-node2 "$0" && exec env "$@"' "$FACTORY_HOME" \
     "${NODE_ENV[@]}" "$RAY" start --address "$HEAD_IP:$PORT" --node-ip-address "$NODE_IP" \
-    --temp-dir "$CLUSTER_DIR/ray-node2" --num-cpus 8 --resources '{"rollout": 8}' --disable-usage-stats \
+    --temp-dir "$CLUSTER_DIR/ray-node2" --num-cpus 8 --resources '{"rollout": 8, "trainer_rank": 1}' --disable-usage-stats \
     > "$CLUSTER_DIR/node2.log" 2>&1 || { cat "$CLUSTER_DIR/node2.log" >&2; die "ray node 2 did not start"; }
   # ready when the head sees both nodes
   ip netns exec "$HEAD_NS" env "${NODE_ENV[@]}" "$PYTHON" - "$HEAD_IP:$PORT" <<'PY'

@@ -87,9 +87,12 @@ def grads_after_step(trainer, batch) -> list[torch.Tensor]:
     return [p.grad.clone() for p in trainer.model.parameters()]
 
 
+ICEPOP_KL = ["algorithm.proximal=current", "algorithm.corrections=[{name: icepop, low: 0.5, high: 2.0}]",
+             "algorithm.kl_coef=0.1"]
+
+
 @pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
-@pytest.mark.parametrize("extra", [[], ["algorithm.proximal=current", "algorithm.corrections=[{name: icepop, low: 0.5, high: 2.0}]",
-                                        "algorithm.kl_coef=0.1"]], ids=["plain", "icepop+kl"])
+@pytest.mark.parametrize("extra", [[], ICEPOP_KL], ids=["plain", "icepop+kl"])
 def test_micro_batches_give_the_whole_batch_update(model_path, aggregation, extra):
     """Token budget 40 splits the batch into several micro-batches; the accumulated gradient equals
     the whole batch's (before clipping, which scales both alike), for every registered aggregation,

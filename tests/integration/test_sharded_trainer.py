@@ -72,6 +72,24 @@ def test_two_ranks_train_like_one_and_their_checkpoint_resumes_on_one(ray_cluste
         ray.kill(actor)
 
 
+def test_lora_and_the_kl_reference_work_on_two_ranks(ray_cluster, policy):
+    over = [*STEPS, "train.lora.enabled=true", "rollout.weight_sync=lora", "algorithm.kl_coef=0.1"]
+    one, a1 = start_trainer(str(policy), small_recipe(*over), None, None)
+    two, a2 = start_trainer(str(policy), small_recipe(*over, "train.ranks=2"), None, None)
+    for k in range(2):
+        m1, m2 = ray.get([one.train_step.remote(batch(k)), two.train_step.remote(batch(k))])
+        assert m2["train/loss"] == pytest.approx(m1["train/loss"], abs=1e-5)
+        assert m2["train/kl_ref"] == pytest.approx(m1["train/kl_ref"], abs=1e-6)
+    assert k == 1 and m1["train/kl_ref"] > 0  # the policy moved away from the reference
+    (lora1, _), (lora2, _) = ray.get([one.export_weights.remote("lora"), two.export_weights.remote("lora")])
+    (full1, _), (full2, _) = ray.get([one.export_weights.remote("disk"), two.export_weights.remote("disk")])
+    for x, y in ((weights_of(lora1), weights_of(lora2)), (weights_of(full1), weights_of(full2))):
+        assert x.keys() == y.keys() and len(x) > 0
+        assert max(float((x[n] - y[n]).abs().max()) for n in x) < 1e-5
+    for actor in a1 + a2:
+        ray.kill(actor)
+
+
 def test_a_run_with_two_trainer_ranks_trains_on_vllm_and_resumes_on_one(engine, tmp_path):
     common = ["train.checkpoint_every=2", "eval.before=false", "eval.heldout=16", "tracking.enabled=false"]
     first = tmp_path / f"{tmp_path.name}-two"

@@ -1,0 +1,347 @@
+"""Trainer scale: peak memory and seconds per step of the trainer's step against the step before the
+lean-step work and a plain reference step, side by side in one run (each variant in a process of its
+own, so peak memory is that variant's alone).
+
+CPU (the default; what runs here): a model with vocabulary 151,936 and a small body (the logits, not
+the body, are what a large vocabulary makes expensive).
+  1. 8 samples x 512 tokens: the old step (the trainer at OLD_COMMIT, from a git worktree), the new
+     step, and the plain reference, three steps each.
+  2. The new step alone at 16 x 1,024 (the old one would not fit in 24 GiB).
+  3. 1 rank against 2 FSDP2 ranks (gloo) on the same batch.
+  4. A heavy-tailed mix of lengths: the new step (micro-batches grouped by length) against the plain
+     reference on the padded batch.
+
+GPU (`--gpu`): the Qwen2.5-0.5B and -1.5B shapes (random init) at the batch sizes of issue 23's table,
+the new step (bf16, activation checkpointing) against the plain reference: tokens/s, MFU (against
+790 TFLOP/s, a measured bf16 matrix rate of an H200) and peak memory. It needs only torch,
+transformers and the project's pure-Python dependencies (no Ray, no vLLM). No GPU was lent to the
+session that wrote it: the GPU mode has not been run.
+
+The plain reference: fp32 master weights (bf16 autocast on GPU), the body once, logprobs of the
+completion positions computed two rows at a time over full-vocabulary log-softmax (kept for the
+backward pass), activation checkpointing on GPU, AdamW (fused on GPU).
+
+    python bench/trainer_scale.py                 # CPU, ~10 min on 2 cores
+    python bench/trainer_scale.py --gpu           # one GPU, < 10 min
+Results: bench/results/trainer_scale.json (or trainer_scale_gpu.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OLD_COMMIT = "088012d"  # main before the lean step (issue 23)
+VOCAB = 151_936
+CPU_BODY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                intermediate_size=256)
+GPU_SHAPES = {  # Qwen2.5 shapes (Llama-style blocks, tied embeddings as Qwen2.5-0.5B/1.5B)
+    "0.5B": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, tie_word_embeddings=True),
+    "1.5B": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, tie_word_embeddings=True),
+}
+GPU_RUNS = [("0.5B", 16), ("0.5B", 32), ("0.5B", 64), ("1.5B", 16), ("1.5B", 64)]
+PEAK_TFLOPS = 790.0
+
+
+def build_model(out: Path, body: dict, max_position: int = 2048) -> Path:
+    """A random-init Llama with the given body and vocabulary 151,936, plus a small tokenizer (the
+    trainer reads only its pad id)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from factory.model.tiny import build_tokenizer
+
+    tok = build_tokenizer(["12+34=46", "7+8=15", "the answer is 9"] * 4, 270, out)
+    cfg = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=max_position, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **body)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def batch_spec(n: int, prompt: int, completion: int | list[int], seed: int = 0) -> dict:
+    return {"n": n, "prompt": prompt, "completion": completion, "seed": seed}
+
+
+def make_batch(spec: dict):
+    import torch
+
+    from factory.types import Batch, Group, Sample, Task
+
+    g = torch.Generator().manual_seed(spec["seed"])
+    comps = spec["completion"] if isinstance(spec["completion"], list) else [spec["completion"]] * spec["n"]
+    samples = []
+    for i, t in enumerate(comps):
+        prompt = torch.randint(5, VOCAB, (spec["prompt"],), generator=g).tolist()
+        samples.append(Sample(f"s{i}", f"g{i // 4}", "t", prompt_ids=prompt,
+                              completion_ids=torch.randint(5, VOCAB, (t,), generator=g).tolist(),
+                              logprobs=(-torch.rand(t, generator=g) * 5).tolist(), loss_mask=[1] * t, versions=[0] * t,
+                              reward=float(i % 2)))
+    groups = [Group(f"g{j}", Task("t", "f", "q", "a"), samples[j: j + 4]) for j in range(0, len(samples), 4)]
+    return Batch(0, groups)
+
+
+def heavy_tailed(n: int, seed: int = 0) -> list[int]:
+    """Completion lengths: most short, a few near the limit (a Pareto tail, capped at 1,000)."""
+    import random
+
+    rng = random.Random(seed)
+    return [min(1000, int(32 * rng.paretovariate(1.2))) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- variants (each in its own process)
+
+def _recipe(overrides: list[str]):
+    from factory.recipe import recipe_from_dict
+
+    return recipe_from_dict({}, overrides=["rollout.max_new_tokens=1024", "train.lr=1e-5", *overrides])
+
+
+def variant_trainer(model: str, spec: dict, steps: int, overrides: list[str], rank: int = 0, world: int = 1) -> dict:
+    """The Trainer of whatever `factory` is importable (this tree's, or OLD_COMMIT's worktree)."""
+    import inspect
+
+    from factory.trainer import Trainer
+
+    r = _recipe(overrides)
+    kwargs = {"rank": rank, "world_size": world} if "world_size" in inspect.signature(Trainer).parameters else {}
+    trainer = Trainer(model, r.algorithm, r.train, r.rollout, **kwargs)
+    batch = make_batch(spec)
+    times = []
+    out: dict = {}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = trainer.train_step(batch)
+        _sync(trainer.device)
+        times.append(time.perf_counter() - t0)
+    return {"step_s": times, "loss": out["train/loss"], "padding_share": out.get("train/padding_share")}
+
+
+def variant_plain(model: str, spec: dict, steps: int, device: str = "cpu") -> dict:
+    """The plain reference step (see the module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from factory.model.logprobs import pad_samples, to_device
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).train()
+    gpu = device == "cuda"
+    if gpu:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=gpu or None)
+    batch = make_batch(spec)
+    t = to_device(pad_samples(batch.samples, 0), torch.device(device))
+    adv = torch.tensor([s.reward - 0.5 for s in batch.samples], device=device)
+    times = []
+    loss = torch.zeros(())
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=gpu):
+            hidden = m.model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).last_hidden_state
+            parts = []
+            for lo in range(0, hidden.shape[0], 2):  # row chunks
+                rows = slice(lo, lo + 2)
+                pos = t["prompt_lens"][rows, None] + torch.arange(t["t_max"], device=device)[None] - 1
+                pos = pos.clamp(max=hidden.shape[1] - 2)
+                h = hidden[rows].gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
+                logp = torch.log_softmax(m.lm_head(h).float(), -1)
+                tgt = t["input_ids"][rows].gather(1, pos + 1)
+                parts.append(logp.gather(-1, tgt[..., None]).squeeze(-1))
+            logp = torch.cat(parts)
+        ratio = torch.exp(logp - t["old_logp"])
+        loss = -(ratio * adv[:, None] * t["mask"]).sum() / t["mask"].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        _sync(torch.device(device))
+        times.append(time.perf_counter() - t0)
+    return {"step_s": times, "loss": float(loss)}
+
+
+def _sync(device) -> None:
+    import torch
+
+    if getattr(device, "type", device) == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_gib() -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+
+
+def _ranks_worker(rank: int, world: int, model: str, spec: dict, steps: int, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("BENCH_PORT", "29561"))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    res = variant_trainer(model, spec, steps, [], rank, world)
+    res["peak_gib"] = _peak_gib()
+    Path(f"{out}.{rank}").write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+def child(args) -> None:
+    """One variant in this process; prints its result as JSON on the last line."""
+    spec = json.loads(args.spec)
+    overrides = json.loads(args.overrides)
+    if args.variant == "plain":
+        res = variant_plain(args.model, spec, args.steps, args.device)
+    elif args.variant == "ranks":
+        import torch.multiprocessing as mp
+
+        out = tempfile.mktemp(prefix="bench-ranks-")
+        mp.spawn(_ranks_worker, args=(args.world, args.model, spec, args.steps, out), nprocs=args.world)
+        parts = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(args.world)]
+        res = {"step_s": [max(s) for s in zip(*(p["step_s"] for p in parts))], "loss": parts[0]["loss"],
+               "peak_gib_per_rank": max(p["peak_gib"] for p in parts)}
+    else:
+        res = variant_trainer(args.model, spec, args.steps, overrides)
+    res.setdefault("peak_gib", _peak_gib())
+    print(json.dumps(res))
+
+
+def run_variant(name: str, variant: str, model: Path, spec: dict, steps: int = 3, overrides: list[str] | None = None,
+                tree: Path = REPO, device: str = "cpu", world: int = 1) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    cmd = [sys.executable, str(REPO / "bench" / "trainer_scale.py"), "--child", variant, "--model", str(model),
+           "--spec", json.dumps(spec), "--steps", str(steps), "--overrides", json.dumps(overrides or []),
+           "--device", device, "--world", str(world)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        res = {"error": " | ".join(tail) or f"exit {proc.returncode}"}
+    else:
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        steady = res["step_s"][1:] or res["step_s"]
+        res["s_per_step"] = sum(steady) / len(steady)
+        tokens = sum(spec["completion"]) + spec["prompt"] * spec["n"] if isinstance(spec["completion"], list) \
+            else spec["n"] * (spec["prompt"] + spec["completion"])
+        res["tokens_per_s"] = tokens / res["s_per_step"]
+    res["wall_s"] = time.perf_counter() - t0
+    shown = f"{res['s_per_step']:.2f} s/step, peak {res.get('peak_gib', 0):.2f} GiB" if "error" not in res else res["error"]
+    print(f"  {name:<34} {shown}", flush=True)
+    return res
+
+
+def old_tree() -> Path:
+    """The trainer before the lean step, checked out beside the repository (a git worktree)."""
+    path = Path(tempfile.gettempdir()) / f"factory-{OLD_COMMIT}"
+    if not (path / "factory" / "trainer.py").is_file():
+        subprocess.run(["git", "worktree", "add", "-f", "--detach", str(path), OLD_COMMIT], cwd=REPO, check=True,
+                       capture_output=True)
+    return path
+
+
+def ratio(a: dict, b: dict, key: str) -> float | None:
+    return a[key] / b[key] if key in a and key in b and b[key] else None
+
+
+def cpu(args) -> dict:
+    print("trainer scale, CPU: vocabulary 151,936, small body", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="trainer-scale-"))
+    model = build_model(work / "model", CPU_BODY)
+    results: dict = {"machine": f"{os.cpu_count()} CPUs", "vocab": VOCAB, "body": CPU_BODY, "old_commit": OLD_COMMIT}
+    spec = batch_spec(8, 128, 384)
+    print("8 samples x 512 tokens:", flush=True)
+    old = run_variant("old step (before issue 23)", "trainer", model, spec, tree=old_tree())
+    new = run_variant("new step", "trainer", model, spec)
+    plain = run_variant("plain reference", "plain", model, spec)
+    results["8x512"] = {"old": old, "new": new, "plain": plain,
+                        "old_over_new_peak": ratio(old, new, "peak_gib"),
+                        "new_over_old_time": ratio(new, old, "s_per_step"),
+                        "new_over_plain_time": ratio(new, plain, "s_per_step")}
+    print("16 samples x 1,024 tokens:", flush=True)
+    results["16x1024"] = {"new": run_variant("new step", "trainer", model, batch_spec(16, 256, 768))}
+    print("1 rank against 2 FSDP2 ranks (gloo), 8 x 512:", flush=True)
+    one = run_variant("1 rank", "ranks", model, spec, world=1)
+    two = run_variant("2 ranks", "ranks", model, spec, world=2)
+    results["ranks"] = {"one": one, "two": two, "two_over_one_time": ratio(two, one, "s_per_step")}
+    lens = heavy_tailed(16, seed=1)
+    mix = batch_spec(16, 64, lens)
+    print(f"heavy-tailed completions {sorted(lens)}:", flush=True)
+    grouped = run_variant("new step, micro-batches 4,096", "trainer", model, mix, overrides=["train.micro_batch_tokens=4096"])
+    padded = run_variant("plain reference, padded batch", "plain", model, mix)
+    results["heavy_tailed"] = {"lengths": lens, "new": grouped, "plain": padded,
+                               "plain_over_new_time": ratio(padded, grouped, "s_per_step")}
+    return results
+
+
+def gpu(args) -> dict:
+    print("trainer scale, GPU (Qwen2.5 shapes, random init)", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="trainer-scale-gpu-"))
+    results: dict = {"peak_tflops": PEAK_TFLOPS, "runs": {}}
+    for shape, n in GPU_RUNS:
+        model = work / shape
+        if not model.is_dir():
+            build_model(model, GPU_SHAPES[shape])
+        params = _param_count(model)
+        spec = batch_spec(n, 256, 768)
+        new = run_variant(f"{shape} {n}x1024 new", "trainer", model, spec, device="cuda",
+                          overrides=["train.device=cuda", "train.precision=bf16", "train.activation_checkpointing=true"])
+        plain = run_variant(f"{shape} {n}x1024 plain", "plain", model, spec, device="cuda")
+        for r in (new, plain):
+            if "tokens_per_s" in r:
+                r["mfu"] = 6 * params * r["tokens_per_s"] / (PEAK_TFLOPS * 1e12)
+        results["runs"][f"{shape}x{n}"] = {"params": params, "new": new, "plain": plain,
+                                           "new_over_plain_tokens_per_s": ratio(new, plain, "tokens_per_s")}
+    lens = heavy_tailed(32, seed=1)
+    model = work / "0.5B"
+    mix = batch_spec(32, 256, lens)
+    grouped = run_variant("0.5B heavy-tailed new", "trainer", model, mix, device="cuda",
+                          overrides=["train.device=cuda", "train.precision=bf16", "train.activation_checkpointing=true",
+                                     "train.micro_batch_tokens=16384"])
+    padded = run_variant("0.5B heavy-tailed plain (padded)", "plain", model, mix, device="cuda")
+    results["heavy_tailed"] = {"lengths": lens, "new": grouped, "plain": padded,
+                               "plain_over_new_time": ratio(padded, grouped, "s_per_step")}
+    return results
+
+
+def _param_count(model: Path) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import torch
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    return sum(p.numel() for p in m.parameters())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--child", choices=["trainer", "plain", "ranks"])
+    ap.add_argument("--model")
+    ap.add_argument("--spec")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--overrides", default="[]")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--world", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    results = gpu(args) if args.gpu else cpu(args)
+    out = Path(args.out or REPO / "bench" / "results" / ("trainer_scale_gpu.json" if args.gpu else "trainer_scale.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    main()
