@@ -505,6 +505,20 @@ class TrainSection(Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the trainer's weights, activations and optimizer live: auto = cuda when the "
         "trainer's node has a GPU (cuda is untested here: no GPU)")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="bf16: bf16 compute with fp32 master weights and optimizer state; auto = bf16 on "
+        "cuda, fp32 on cpu (keeps resume, replay and reproducibility bitwise, and this CPU has no fast bf16)")
+    activation_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="recompute each decoder block in the backward pass instead of keeping its "
+        "activations; auto = on for cuda")
+    micro_batch_tokens: int = Field(
+        16384, ge=0, description="padded tokens (rows x longest row) per forward/backward; samples of similar "
+        "length share a micro-batch, gradients accumulate to the whole batch's update; 0 = the whole batch")
+    logprob_chunk_tokens: int = Field(
+        1024, gt=0, description="completion tokens per chunk through the output layer (each chunk's logits "
+        "are recomputed in the backward pass; a [B, T, vocab] tensor never exists)")
+    ranks: int = Field(1, ge=1, description="trainer ranks sharding the model with FSDP2 (gloo on cpu, nccl "
+                       "on cuda), each a Ray actor placed by placement.trainer")
     seed: int = 0
 
 
