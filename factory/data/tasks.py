@@ -124,14 +124,12 @@ class ReasoningGymSource:
 
     @cached_property
     def heldout(self) -> list[Task]:
-        families = self._generate("heldout", self.heldout_size, exclude=set()) if self.families else []
-        return families + [t for f in self.files for t in f.heldout]
+        return self._generate("heldout", self.heldout_size, exclude=set()) + [t for f in self.files for t in f.heldout]
 
     @cached_property
     def train(self) -> list[Task]:
         exclude = {_question_key(t) for t in self.heldout}
-        families = self._generate("train", self.train_size, exclude) if self.families else []
-        return families + [t for f in self.files for t in f.train]
+        return self._generate("train", self.train_size, exclude) + [t for f in self.files for t in f.train]
 
 
 def seeded_subset(tasks: list[Task], n: int | None, seed: int) -> list[Task]:
