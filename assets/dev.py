@@ -60,8 +60,23 @@ class DagsterClient:
     # ---- GraphQL -----------------------------------------------------------------------------
 
     def query(self, text: str, variables: dict[str, Any] | None = None) -> dict[str, Any]:
-        response = httpx.post(self.url, json={"query": text, "variables": variables or {}}, timeout=60)
-        response.raise_for_status()
+        """One GraphQL request. A read that meets a server error or a refused connection (its storage
+        restarting: seen as a 500 right after a Postgres restart) is retried with backoff for up to 60 s;
+        a mutation is not (it may have been applied)."""
+        from factory.outage import Outage, retry
+
+        def post() -> httpx.Response:
+            response = httpx.post(self.url, json={"query": text, "variables": variables or {}}, timeout=60)
+            response.raise_for_status()
+            return response
+
+        def transient(error: BaseException) -> bool:
+            if text.lstrip().startswith("mutation"):
+                return False
+            return isinstance(error, httpx.TransportError) or (
+                isinstance(error, httpx.HTTPStatusError) and error.response.status_code >= 500)
+
+        response = retry(post, Outage(lambda _: f"dagster at {self.url}", 60.0), transient)
         body = response.json()
         if body.get("errors"):
             raise RuntimeError(f"GraphQL errors: {body['errors']}")
