@@ -329,7 +329,7 @@ class RunTracker:
                 self._sender.start()
             self._lock.notify_all()
 
-    def _next_batch(self) -> dict[str, Any] | None:
+    def _next_batch(self) -> dict[str, Any]:
         """The oldest unsent batch: memory first, then the spill file (lock held)."""
         if self._queue:
             return self._queue.popleft()

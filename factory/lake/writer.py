@@ -233,9 +233,10 @@ class TrajectoryWriter:
                 return int(value)
         if table.current_snapshot() is None:
             return None
+        column = spec.position
         data = self._call(lambda: table.scan(row_filter=EqualTo(term="run_id", value=run_id),
-                                             selected_fields=(spec.position,)).to_arrow())
-        return None if data.num_rows == 0 else pc.max(data[spec.position]).as_py()
+                                             selected_fields=(column,)).to_arrow())
+        return None if data.num_rows == 0 else pc.max(data[column]).as_py()
 
     def snapshot_ids(self, tables: tuple[str, ...] = ("samples", "steps")) -> dict[str, int | None]:
         """The current snapshot id of each table (after `flush`: a snapshot holding every row
