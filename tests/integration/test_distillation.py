@@ -66,4 +66,8 @@ def test_the_loss_moves_the_student_toward_the_teacher(policy, direction):
     after = torch.tensor(trainer.logprobs([probe])[0])
     assert metrics["train/loss"] != 0.0
     moved = (after - before) * direction
-    assert (moved > 0).all(), (before, after)
+    # first order: every token the student is unsure of moves the teacher's way; a near-certain one
+    # (here end-of-turn at p > 0.99, gradient ~ 1 - p) moves only at Adam's second order: within noise
+    unsure = before < -0.05
+    assert unsure.sum() >= 2 and (moved[unsure] > 0).all(), (before, after)
+    assert (moved[~unsure] > -1e-5).all(), (before, after)
