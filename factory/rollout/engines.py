@@ -150,7 +150,9 @@ def make_engine(kind: str, build: EngineBuild):
 def support_k(rollout) -> int:
     """How many top logprobs to ask for to recover the sampler's candidate set (0: not kept).
 
-    top-k: k + 2, because bf16 ties can let a few more than k through; top-p alone: the cap."""
+    top-k: k + 8, because bf16 ties at the k-th value let all the tied tokens through (a three-way
+    tie at the third place of a flat first token let k + 2 through here, which reads as cut off);
+    top-p alone: the cap."""
     if not rollout.keep_sampling_mask or (rollout.top_k <= 0 and rollout.top_p >= 1.0):
         return 0
-    return rollout.top_k + 2 if rollout.top_k > 0 else rollout.support_cap
+    return rollout.top_k + 8 if rollout.top_k > 0 else rollout.support_cap
