@@ -90,11 +90,12 @@ def make_batch(spec: dict):
 
 
 def heavy_tailed(n: int, seed: int = 0) -> list[int]:
-    """Completion lengths: most short, a few near the limit (a Pareto tail, capped at 1,000)."""
+    """Completion lengths as agentic rollouts make them: most short (16-96 tokens), one in five long
+    (500-1,000)."""
     import random
 
     rng = random.Random(seed)
-    return [min(1000, int(32 * rng.paretovariate(1.2))) for _ in range(n)]
+    return [rng.randint(500, 1000) if rng.random() < 0.2 else rng.randint(16, 96) for _ in range(n)]
 
 
 # ---------------------------------------------------------------- variants (each in its own process)
@@ -102,7 +103,8 @@ def heavy_tailed(n: int, seed: int = 0) -> list[int]:
 def _recipe(overrides: list[str]):
     from factory.recipe import recipe_from_dict
 
-    return recipe_from_dict({}, overrides=["rollout.max_new_tokens=1024", "train.lr=1e-5", *overrides])
+    return recipe_from_dict({}, overrides=["rollout.max_new_tokens=1024", "rollout.max_model_len=2048", "model.max_position=2048",
+                                           "train.lr=1e-5", *overrides])
 
 
 def variant_trainer(model: str, spec: dict, steps: int, overrides: list[str], rank: int = 0, world: int = 1) -> dict:
@@ -111,7 +113,8 @@ def variant_trainer(model: str, spec: dict, steps: int, overrides: list[str], ra
 
     from factory.trainer import Trainer
 
-    r = _recipe(overrides)
+    # every variant computes on the same threads: this machine's cores, shared by the ranks
+    r = _recipe([f"train.threads={max(1, (os.cpu_count() or 1) // world)}", *overrides])
     kwargs = {"rank": rank, "world_size": world} if "world_size" in inspect.signature(Trainer).parameters else {}
     trainer = Trainer(model, r.algorithm, r.train, r.rollout, **kwargs)
     batch = make_batch(spec)
@@ -133,6 +136,7 @@ def variant_plain(model: str, spec: dict, steps: int, device: str = "cpu") -> di
     from factory.model.logprobs import pad_samples, to_device
 
     torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 1)
     m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).train()
     gpu = device == "cuda"
     if gpu:
@@ -198,9 +202,9 @@ def child(args) -> None:
     """One variant in this process; prints its result as JSON on the last line."""
     spec = json.loads(args.spec)
     overrides = json.loads(args.overrides)
-    if args.variant == "plain":
+    if args.child == "plain":
         res = variant_plain(args.model, spec, args.steps, args.device)
-    elif args.variant == "ranks":
+    elif args.child == "ranks":
         import torch.multiprocessing as mp
 
         out = tempfile.mktemp(prefix="bench-ranks-")

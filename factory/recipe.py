@@ -515,7 +515,7 @@ class TrainSection(Section):
         16384, ge=0, description="padded tokens (rows x longest row) per forward/backward; samples of similar "
         "length share a micro-batch, gradients accumulate to the whole batch's update; 0 = the whole batch")
     logprob_chunk_tokens: int = Field(
-        1024, gt=0, description="completion tokens per chunk through the output layer (each chunk's logits "
+        512, gt=0, description="completion tokens per chunk through the output layer (each chunk's logits "
         "are recomputed in the backward pass; a [B, T, vocab] tensor never exists)")
     ranks: int = Field(1, ge=1, description="trainer ranks sharding the model with FSDP2 (gloo on cpu, nccl "
                        "on cuda), each a Ray actor placed by placement.trainer")

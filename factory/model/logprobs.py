@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from factory.types import NOT_SAMPLED, Sample
 
-DEFAULT_CHUNK_TOKENS = 1024
+DEFAULT_CHUNK_TOKENS = 512
 
 
 def pad_samples(samples: list[Sample], pad_id: int) -> dict[str, Any]:
@@ -75,17 +75,26 @@ def _body_and_head(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
 def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, support: torch.Tensor | None,
                     temperature: float) -> torch.Tensor:
     """log pi(y) over the full softmax, or renormalised over the recorded candidate set (see
-    `completion_logprobs`), for one chunk of [N, H] hidden states."""
-    logits = (head(hidden) if head is not None else hidden).float() / temperature  # [N, V]
-    chosen = logits.gather(-1, targets[:, None]).squeeze(-1)
-    log_z = torch.logsumexp(logits, dim=-1)
+    `completion_logprobs`), for one chunk of [N, H] hidden states.
+
+    Why this shape: the [N, V] passes dominate a large vocabulary's step. Temperature divides the
+    [N, H] hidden states before a bias-free output layer (z / T = (h / T) W^T), not the logits; and
+    log_softmax's fused backward is one pass where logsumexp's is three."""
+    if head is not None and getattr(head, "bias", None) is None and temperature != 1.0:
+        logits = head(hidden / temperature).float()
+    else:
+        logits = (head(hidden) if head is not None else hidden).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+    out = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # [N]
     if support is not None:
         known = support >= 0
+        chosen = logits.gather(-1, targets[:, None]).squeeze(-1)
         cand = logits.gather(-1, support.clamp(min=0))
         # a large finite floor, not -inf: a row with no known candidate must not put NaN in the gradient
         masked_z = torch.logsumexp(torch.where(known, cand, torch.full_like(cand, -1e9)), dim=-1)
-        log_z = torch.where(known.any(-1), masked_z, log_z)
-    return chosen - log_z
+        out = torch.where(known.any(-1), chosen - masked_z, out)
+    return out
 
 
 def completion_logprobs(model, tensors: dict[str, Any], temperature: float = 1.0,
