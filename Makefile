@@ -20,8 +20,8 @@ sglang-venv:
 # Two steps: the suite, then the production profile's end-to-end test (tests/infra: Postgres, S3,
 # MLflow server, Ray head, Dagster webserver + daemon; ~6 min) in a pytest session of its own.
 test: setup sglang-venv
-	$(PY) -m pytest -q tests --ignore=tests/infra
-	$(PY) -m pytest -q tests/infra
+	$(PY) -m pytest -q --durations=25 tests --ignore=tests/infra
+	$(PY) -m pytest -q --durations=10 tests/infra
 
 # The fast part of the suite (no servers: pure logic, recipes, the lake on SQLite, Dagster in-process,
 # sandboxes); what to run while editing
