@@ -9,21 +9,18 @@ import torch
 
 from factory.algo.losses import AGGREGATIONS
 from factory.parallel import padding_share, plan_micro_batches, step_metrics_merge
-from factory.recipe import ModelSection, recipe_from_dict
+from factory.recipe import recipe_from_dict
 from factory.types import Batch, Group, Sample, Task
+
+from .conftest import tiny_model_dir
 
 pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    from factory.model.tiny import build_model, build_tokenizer
-
-    out = tmp_path_factory.mktemp("tiny2")
-    tok = build_tokenizer(["12+34=46", "7+8=15", "the answer is 9"] * 4, 270, out)
-    build_model(tok, ModelSection(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position=128),
-                out)
-    return str(out)
+    return tiny_model_dir(tmp_path_factory, "tiny2",
+                          hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position=128)
 
 
 def trainer_for(model_path, *overrides):

@@ -8,21 +8,18 @@ import math
 import pytest
 import torch
 
-from factory.recipe import ModelSection, recipe_from_dict
+from factory.recipe import recipe_from_dict
 from factory.types import NOT_SAMPLED, Batch, Group, Sample, Task
+
+from .conftest import tiny_model_dir
 
 pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    from factory.model.tiny import build_model, build_tokenizer
-
-    out = tmp_path_factory.mktemp("tiny")
-    tok = build_tokenizer(["12+34=46", "7+8=15", "the answer is 9"] * 4, 270, out)
-    build_model(tok, ModelSection(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_position=64),
-                out)
-    return str(out)
+    return tiny_model_dir(tmp_path_factory, "tiny",
+                          hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_position=64)
 
 
 def trainer_for(model_path, *overrides):
