@@ -92,6 +92,14 @@ def reference(model, prompt: list[int], completion: list[int],
     return logp.argmax(-1).tolist(), [float(logp[i, t]) for i, t in enumerate(completion)]
 
 
+def best_logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:
+    """transformers (fp32), teacher-forced: the greedy token's logprob at every completion position."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
+    logits = logits[len(prompt) - 1 : len(prompt) + len(completion) - 1]
+    return torch.log_softmax(logits, dim=-1).max(-1).values.tolist()
+
+
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
 
@@ -109,7 +117,12 @@ def test_greedy_ids_and_logprobs_match_transformers(server, policy, prompts, tok
         assert gen.versions == [0] * len(gen.token_ids)
         assert gen.finish_reason in ("stop", "length")
         greedy, ref = reference(old_model, prompt, gen.token_ids)
-        assert gen.token_ids == greedy, (tokenizer.decode(gen.token_ids), tokenizer.decode(greedy))
+        best = best_logprobs(old_model, prompt, gen.token_ids)
+        # SGLang's greedy pick is fp32's, or a near-tie bf16 can flip: its fp32 logprob is within the
+        # bf16 tolerance of the best (the policy's first digit can be that flat)
+        for i, (got, want) in enumerate(zip(gen.token_ids, greedy)):
+            assert got == want or best[i] - ref[i] < LOGPROB_TOL, (
+                i, tokenizer.decode(gen.token_ids), tokenizer.decode(greedy), best[i] - ref[i])
         worst = max(worst, max(abs(a - b) for a, b in zip(gen.logprobs, ref)))
     print(f"max |logprob(SGLang bf16) - logprob(transformers fp32)| = {worst:.4f}")
     assert worst < LOGPROB_TOL
