@@ -35,8 +35,10 @@ from tests.lake import workers
 pytestmark = pytest.mark.integration
 
 SHORT = ["train.steps=3", "eval.before=false", "eval.heldout=16"]
-# the run that is killed: long enough to be caught past a checkpoint; lake commits every 0.5 s
-LONG = ["train.steps=12", "train.checkpoint_every=3", "eval.before=false", "eval.after=false",
+# the run that is killed: long enough to be caught past a checkpoint, and then to train on through two
+# service outages in its relaunch (12 steps were finished before the probe caught one); lake commits every 0.5 s
+LONG_STEPS, LONG_EVERY = 24, 6  # checkpoints 6 steps apart: the lake probe (seconds) fits inside one interval
+LONG = [f"train.steps={LONG_STEPS}", f"train.checkpoint_every={LONG_EVERY}", "eval.before=false", "eval.after=false",
         "train.max_restarts=1", "lake.commit_interval_s=0.5"]
 
 
@@ -213,7 +215,7 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
     (materialization,) = bob.materializations("rl_run", key)
     resumed_from = Path(materialization["metadata"]["resumed_from"])
     resumed_step = checkpoint_step(resumed_from)
-    assert resumed_from.parent == stack.home / "runs" / key / "checkpoints" and 3 <= resumed_step < 12
+    assert resumed_from.parent == stack.home / "runs" / key / "checkpoints" and LONG_EVERY <= resumed_step < LONG_STEPS
     assert position_at_kill > resumed_step
     alice_runs = alice.wait_for_runs(2, 900, tags=[{"key": "factory/sweep_run_id", "value": sweeps["alice"]}])
     assert [r["status"] for r in alice_runs] == ["SUCCESS", "SUCCESS"]
@@ -231,7 +233,7 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
 
     # the lake on S3, read by another engine: every sample id exactly once, every step
     for run_key in keys:
-        steps = 12 if run_key == key else 3
+        steps = LONG_STEPS if run_key == key else 3
         assert samples_of(stack, run_key) == (steps * 16, steps * 16, steps), run_key
     assert not (stack.home / "lake").exists()
     # bob's run: steps up to the checkpoint from the killed attempt, the rest from the relaunch (the
@@ -241,9 +243,9 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
                                   f"AND ((written_at < TIMESTAMPTZ '{killed_at.isoformat()}') != (step <= {resumed_step}))")
     assert misplaced["rows"] == [[0]]
     assert lake_probe(stack, f"SELECT list(step ORDER BY step) FROM steps WHERE run_id = '{key}'")["rows"] == \
-        [[list(range(1, 13))]]
+        [[list(range(1, LONG_STEPS + 1))]]
     assert lake_probe(stack, f"SELECT list(step ORDER BY step) FROM checkpoints WHERE run_id = '{key}'")["rows"] == \
-        [[[3, 6, 9, 12]]]
+        [[list(range(LONG_EVERY, LONG_STEPS + 1, LONG_EVERY))]]
 
     # MLflow: one finished run per RL run on the tracking server, plots stored in the object store
     from mlflow import MlflowClient
@@ -265,7 +267,7 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
     # MLflow holds every step of every run, bob's through both outages included
     for run_key in keys:
         history = client.get_metric_history(tracked[run_key].info.run_id, "rollout/reward_mean")
-        assert {m.step for m in history} == set(range(1, 13 if run_key == key else 4)), run_key
+        assert {m.step for m in history} == set(range(1, LONG_STEPS + 1 if run_key == key else 4)), run_key
     # the outages showed in bob's metrics while the run went on (its attempts append to one metrics.jsonl)
     bob_metrics = [json.loads(line) for line in (bob_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert max(m.get("lake/outage_s", 0.0) for m in bob_metrics) > 0
