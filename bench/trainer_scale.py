@@ -315,6 +315,28 @@ def gpu(args) -> dict:
     return results
 
 
+def plot(results: dict, out: Path) -> None:
+    """Seconds per step and peak memory of each CPU variant, side by side (bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [("8x512 old", results["8x512"]["old"]), ("8x512 new", results["8x512"]["new"]),
+            ("8x512 plain", results["8x512"]["plain"]), ("16x1024 new", results["16x1024"]["new"]),
+            ("tailed new", results["heavy_tailed"]["new"]), ("tailed plain", results["heavy_tailed"]["plain"])]
+    rows = [(n, r) for n, r in rows if "s_per_step" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "s_per_step", "seconds per step"), (axes[1], "peak_gib", "peak memory (GiB)")):
+        colours = ["tab:grey" if "old" in n else "tab:blue" if "new" in n else "tab:orange" for n, _ in rows]
+        ax.bar([n for n, _ in rows], [r[key] for _, r in rows], color=colours)
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"trainer step, vocabulary {VOCAB:,} (grey: before issue 23, blue: new, orange: plain reference)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def _param_count(model: Path) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -336,15 +358,20 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plot-only", action="store_true", help="redraw the CPU plot from the results file")
     args = ap.parse_args()
     if args.child:
         child(args)
         return
-    results = gpu(args) if args.gpu else cpu(args)
     out = Path(args.out or REPO / "bench" / "results" / ("trainer_scale_gpu.json" if args.gpu else "trainer_scale.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(f"results: {out}")
+    if not args.plot_only:
+        results = gpu(args) if args.gpu else cpu(args)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1))
+        print(f"results: {out}")
+    if not args.gpu:
+        plot(json.loads(out.read_text()), out.with_suffix(".png"))
+        print(f"plot: {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

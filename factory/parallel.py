@@ -64,21 +64,20 @@ def padding_share(plan: list[list[list[int]]], lengths: list[int]) -> float:
 
 # ---------------------------------------------------------------- the trainer ranks' process group
 
-def init_trainer_group(rank: int, world_size: int, host: str, port: int, backend: str, store=None,
-                       timeout_s: float = 600.0) -> None:
+def init_trainer_group(rank: int, world_size: int, host: str, port: int, backend: str, local_host: str,
+                       store=None, timeout_s: float = 600.0) -> None:
     """Join the trainer ranks' default process group: rank 0 hosts the store (`store`, from
     `factory.weightsync.open_rendezvous` on its node's address), the others connect to host:port.
-    gloo and NCCL pick their interface from these variables: set them to the one carrying this node's
-    address (the hostname may resolve to loopback)."""
+    `local_host`: this rank's node address; gloo and NCCL pick their interface from environment
+    variables, set here to the one carrying it (the hostname may resolve to loopback)."""
     import torch.distributed as dist
 
     from factory.weightsync import interface_of
 
     if dist.is_initialized():
         return
-    local = os.environ.get("FACTORY_NODE_IP", "")
-    iface = interface_of(local) if local else None
-    if iface and local not in ("127.0.0.1", "::1"):
+    iface = interface_of(local_host)
+    if iface and local_host not in ("127.0.0.1", "::1"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
     if store is None:
@@ -122,10 +121,6 @@ def full_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
         yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
-def global_shape(t: torch.Tensor) -> list[int]:
-    return list(t.shape)  # a DTensor's shape is already the whole tensor's
-
-
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Sum `values` over the trainer ranks (identity without a process group)."""
     import torch.distributed as dist
@@ -135,13 +130,6 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.tolist()
-
-
-def barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def step_metrics_merge(parts: list[dict[str, Any]], weight_key: str = "train/objective_weight") -> dict[str, float]:

@@ -474,9 +474,8 @@ class TrainerActor(Placed):
         from factory.devices import resolve_device
         from factory.parallel import init_trainer_group
 
-        os.environ["FACTORY_NODE_IP"] = node_ip()
         backend = "nccl" if resolve_device(self.args[2].device) == "cuda" else "gloo"
-        init_trainer_group(self.rank, self.world_size, host, port, backend, store=self._store)
+        init_trainer_group(self.rank, self.world_size, host, port, backend, node_ip(), store=self._store)
         self.trainer = _trainer(*self.args, rank=self.rank, world_size=self.world_size)
 
     def threads(self) -> int:
@@ -548,7 +547,8 @@ class TrainerActor(Placed):
         """Sum (in float32) of one weight rounded to `dtype`: what an engine serving that dtype must hold."""
         from factory.weightsync import DTYPES
 
-        return float(dict(self.trainer.weight_items())[name].to(DTYPES[dtype]).float().sum())
+        weight = next(t for n, t in self.trainer.weight_items() if n == name)  # every rank stops at the same name
+        return float(weight.to(DTYPES[dtype]).float().sum())
 
     def checkpoint(self, extra: dict) -> DirBundle:
         """A checkpoint (see Trainer.save_checkpoint) as a bundle — this rank's part of it when there
