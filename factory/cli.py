@@ -23,9 +23,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Failures a user fixes by changing the recipe, a path or the cluster: one line, no traceback."""
     from factory.rollout.vllm import EngineStartError
     from factory.profile import ProfileError
+    from factory.parallel import TrainerSetupError
     from factory.runtime.cluster import ClusterUnreachable, PlacementError
 
-    return (EngineStartError, PlacementError, ClusterUnreachable, ProfileError, FileNotFoundError)
+    return (EngineStartError, PlacementError, ClusterUnreachable, ProfileError, FileNotFoundError, TrainerSetupError)
 
 
 def _cause(err: BaseException) -> str:

@@ -19,6 +19,10 @@ from typing import Any
 import torch
 
 
+class TrainerSetupError(ValueError):
+    """A recipe or checkpoint the sharded trainer cannot run (a user error: one line, no traceback)."""
+
+
 # ---------------------------------------------------------------- planning (pure)
 
 def plan_micro_batches(lengths: list[int], ranks: int = 1, budget_tokens: int = 0) -> list[list[list[int]]]:
@@ -93,7 +97,8 @@ def decoder_blocks(model) -> list[torch.nn.Module]:
     body = model.get_decoder()
     blocks = getattr(body, "layers", None)
     if blocks is None:
-        raise ValueError(f"{type(model).__name__}: no decoder `layers` to shard; FSDP needs the repeated blocks")
+        raise TrainerSetupError(f"train.ranks: {type(model).__name__} has no decoder `layers` to shard (FSDP2 "
+                                "wraps each repeated block); use train.ranks=1 for this model")
     return list(blocks)
 
 

@@ -412,8 +412,10 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         if self.lora:
-            raise ValueError(f"{ckpt}: resuming a one-rank LoRA checkpoint on {self.world_size} ranks is not "
-                             "supported; resume it with train.ranks=1")
+            from factory.parallel import TrainerSetupError
+
+            raise TrainerSetupError(f"{ckpt}: resuming a one-rank LoRA checkpoint on {self.world_size} ranks is "
+                                    "not supported; resume it with train.ranks=1")
         full = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict()
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, full, options=options)

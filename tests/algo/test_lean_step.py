@@ -168,3 +168,17 @@ def test_activation_checkpointing_gives_the_same_gradients(model_path):
     b = grads_after_step(trainer_for(model_path, "train.activation_checkpointing=true"), batch)
     for x, y in zip(a, b):
         assert torch.allclose(x, y, atol=1e-6)
+
+
+def test_a_model_without_decoder_blocks_is_a_one_line_error():
+    from factory.parallel import TrainerSetupError, decoder_blocks
+
+    class Body(torch.nn.Module):
+        pass
+
+    class NoBlocks(torch.nn.Module):
+        def get_decoder(self):
+            return Body()
+
+    with pytest.raises(TrainerSetupError, match=r"^train.ranks: NoBlocks has no decoder `layers` to shard .*train.ranks=1"):
+        decoder_blocks(NoBlocks())
