@@ -325,10 +325,11 @@ class RolloutSection(Section):
         "kept, swap weights, resume (vllm only for the last two)")
     startup_timeout_s: float = Field(300, gt=0)
     seed: int | None = Field(
-        None, description="set: each request's sampling seed derives from it, the episode's session id and turn, "
-        "so generation repeats (e.g. a resumed run at η = 0; SGLang honours it only with deterministic "
-        "inference; vLLM sends seeded prompts through the batch route Factory's servers add). Unset: the "
-        "engine draws")
+        0, description="each request's sampling seed derives from it, the episode's session id and turn, so "
+        "generation repeats: two runs at η = 0, or a run and its resume, sample the same tokens. null: the engine "
+        "draws. vLLM sends seeded prompts through the batch route Factory's servers add (an attached server "
+        "without it, e.g. a plain `vllm serve`, takes one call per seed; so does partial_rollout=abort_resume); "
+        "SGLang honours seeds only with deterministic inference, and otherwise samples unseeded")
 
     @field_validator("urls")
     @classmethod

@@ -117,6 +117,15 @@ class AttachedServer:
             raise EngineStartError(f"rollout.urls: no vLLM server answers at {self.url} ({type(err).__name__}: "
                                    f"{err}); start one with `factory serve MODEL_DIR --port PORT`") from None
 
+    def has_batch_route(self, timeout_s: float = 10.0) -> bool:
+        """Whether the server serves our batch route with its token endpoint on (`factory serve` starts
+        it so; a plain `vllm serve` answers 404): an empty batch costs the server nothing."""
+        try:
+            return httpx.post(f"{self.url}/factory/v1/generate_batch", json={"requests": []},
+                              timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def stop(self) -> None:  # not ours to stop
         pass
 
@@ -158,10 +167,15 @@ class VLLMEngine(ServerClient):
         self._flushing: set[asyncio.Task] = set()
         self._engine_ids: dict[str, str] = {}
         self._batches = 0
+        self.batch_route = True  # servers we start add it; an attached one is asked at start
 
     async def start(self) -> None:
         if isinstance(self.server, AttachedServer):
             self.model = await asyncio.to_thread(self.server.check)
+            self.batch_route = await asyncio.to_thread(self.server.has_batch_route)
+            if self.partial == "inflight" and not self.batch_route:
+                raise EngineStartError(f"rollout.partial_rollout: inflight needs the token endpoint's batch route, "
+                                       f"which the server at {self.url} lacks; start it with `factory serve`")
         elif self._owns_server and self.server.proc is None:
             self.server.launch()
             await asyncio.to_thread(self.server.wait_ready, self.startup_timeout_s)
@@ -174,8 +188,10 @@ class VLLMEngine(ServerClient):
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Generation:
         """Queue one prompt; prompts with equal sampling parameters that arrive within
         `coalesce_ms` travel to the server as one multi-prompt request (see `_flush`)."""
-        # seeded requests (rollout.seed) coalesce too: each keeps its own seed through the batch route
-        seed_key = "per-request" if sampling.seed is not None and self.partial == "wait" else sampling.seed
+        # seeded requests (rollout.seed) coalesce too: each keeps its own seed through the batch route;
+        # a server without it takes one seed per /v1/completions call, so only equal seeds share a call
+        per_request = sampling.seed is not None and self.partial == "wait" and self.batch_route
+        seed_key = "per-request" if per_request else sampling.seed
         key = (sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
                tuple(sampling.stop_token_ids), seed_key, sampling.min_new_tokens, sampling.support_k)
         future = asyncio.get_running_loop().create_future()
