@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from results_file import write_results  # noqa: E402
 
-VARIANTS = {"unseeded": [], "seeded": ["rollout.seed=0"]}
+VARIANTS = {"unseeded": ["rollout.seed=null"], "seeded": ["rollout.seed=0"]}  # seeded is the default
 
 
 def rates(run_dir: Path) -> dict[str, float]:

@@ -45,6 +45,12 @@ def test_default_recipe_values():
     assert recipe.sweep == {}
 
 
+def test_requests_are_seeded_unless_the_recipe_says_null():
+    # η = 0 runs repeat out of the box; `null` lets the engine draw
+    assert load_recipe(RECIPES / "default.yaml").rollout.seed == 0
+    assert load_recipe(RECIPES / "default.yaml", ["rollout.seed=null"]).rollout.seed is None
+
+
 def test_two_families_recipe():
     recipe = load_recipe(RECIPES / "two_families.yaml")
     basic, chain = recipe.data.families
