@@ -41,12 +41,17 @@ class Section(BaseModel):
 
 
 class ModelSection(Section):
-    """The policy. With `path` unset, a tiny Llama is built and warm-started locally."""
+    """The policy. With `path` unset, a tiny model of `architecture` is built and warm-started locally."""
 
     path: str | None = Field(None, description="an existing HF model dir; unset builds the tiny model")
+    architecture: Literal["llama", "qwen2"] = Field(
+        "llama", description="the tiny model built when path is unset: llama (its own role-tag chat template, "
+        "untied embeddings) or qwen2 (q/k/v biases, grouped-query attention, tied embeddings, ChatML)")
     hidden_size: int = Field(256, gt=0)
     num_layers: int = Field(4, gt=0)
     num_heads: int = Field(4, gt=0)
+    num_kv_heads: int | None = Field(None, gt=0, description="key/value heads (grouped-query attention when "
+                                     "fewer than num_heads, which they must divide); unset: num_heads")
     intermediate_size: int = Field(704, gt=0)
     max_position: int = Field(256, gt=16)
     bpe_vocab_size: int = Field(300, ge=260, description="byte-level BPE vocab incl. 256 bytes")
@@ -55,6 +60,14 @@ class ModelSection(Section):
     sft_lr: float = Field(1e-3, gt=0)
     sft_examples: int = Field(20000, gt=0, description="training tasks used for the warm start")
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelSection:
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} must divide num_heads ({self.num_heads})")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size: {self.hidden_size} must be a multiple of num_heads ({self.num_heads})")
+        return self
 
 
 class TaskFamily(Section):

@@ -285,18 +285,25 @@ class Trainer:
     def _lora_scaling(self) -> float:
         return float(self.train_cfg.lora.alpha) / float(self.train_cfg.lora.rank)
 
+    def _own_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The state dict without the second names of shared parameters: with tied embeddings
+        `lm_head.weight` is `model.embed_tokens.weight`, which the engine and a saved model hold once."""
+        aliases = ({n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+                   - {n for n, _ in self.model.named_parameters()})
+        return ((k, v) for k, v in self.model.state_dict().items() if k not in aliases)
+
     def weight_items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's weights under their Hugging Face names (what vLLM's loaders expect), one at a
-        time, LoRA merged in. Sharded weights are gathered one tensor at a time, so no rank ever
-        holds a second full copy — and every rank must walk this iterator together."""
+        time, LoRA merged in, each shared parameter once. Sharded weights are gathered one tensor at a
+        time, so no rank ever holds a second full copy — and every rank must walk this iterator together."""
         from factory.parallel import full_tensors
 
-        items = full_tensors(self.model.state_dict().items())
+        items = full_tensors(self._own_state())
         yield from merge_lora(items, self._lora_scaling()) if self.lora else items
 
     def weight_shapes(self) -> list[tuple[str, list[int]]]:
         """(name, shape) of `weight_items`, in its order, without gathering or computing anything."""
-        meta = ((k, torch.empty(v.shape, dtype=v.dtype, device="meta")) for k, v in self.model.state_dict().items())
+        meta = ((k, torch.empty(v.shape, dtype=v.dtype, device="meta")) for k, v in self._own_state())
         items = merge_lora(meta, self._lora_scaling()) if self.lora else meta
         return [(k, list(v.shape)) for k, v in items]
 

@@ -1,7 +1,8 @@
 """Supervised warm start and the cached base policy a run starts from.
 
-The tiny model starts from random weights; a short SFT on the task's own answers brings sampled
-held-out accuracy clearly above zero and far below 100%, which is where RL has room to act.
+The tiny model (a Llama or a Qwen2, `model.architecture`) starts from random weights; a short SFT
+on the task's own answers brings sampled held-out accuracy clearly above zero and far below 100%,
+which is where RL has room to act.
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from factory.paths import models_dir
 
 def policy_fingerprint(recipe) -> str:
     """Everything the base policy depends on: the model and data sections and the environment prompt."""
+    model = recipe.model.model_dump(mode="json")
+    for name in ("architecture", "num_kv_heads"):  # added later: at their defaults, cached Llamas keep their key
+        if model[name] == type(recipe.model).model_fields[name].default:
+            del model[name]
     key = {
-        "model": recipe.model.model_dump(mode="json"),
+        "model": model,
         "data": recipe.data.model_dump(mode="json"),
         "system_prompt": recipe.environment.system_prompt,
         "version": 3,  # bump when the warm start's procedure changes
@@ -29,7 +34,7 @@ def policy_fingerprint(recipe) -> str:
 
 
 def sft_examples(tokenizer, env, tasks) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids + <|end|>) per task, with the prompt exactly as the gateway builds it.
+    """(prompt ids, answer ids + EOS) per task, with the prompt exactly as the gateway builds it.
 
     If the environment gives a `demonstration(task)` episode, each of its assistant turns is one
     example instead: (the ids the gateway would send the engine before that turn, the turn's ids up
@@ -114,8 +119,15 @@ def base_policy_path(recipe) -> Path | None:
     """Where `recipe`'s base policy is (model.path, or the cached warm start), or None if not built yet."""
     if recipe.model.path:
         return Path(recipe.model.path)
-    out = models_dir() / f"tiny-{policy_fingerprint(recipe)}"
+    out = cached_policy_dir(recipe)
     return out if (out / "sft.json").is_file() else None
+
+
+def cached_policy_dir(recipe) -> Path:
+    """Where the warm start of `recipe`'s tiny model is cached: tiny-<fingerprint> (the Llama, as
+    always) or tiny-<architecture>-<fingerprint>."""
+    arch = recipe.model.architecture
+    return models_dir() / f"tiny-{'' if arch == 'llama' else arch + '-'}{policy_fingerprint(recipe)}"
 
 
 def ensure_base_policy(recipe, progress=None) -> Path:
@@ -128,7 +140,7 @@ def ensure_base_policy(recipe, progress=None) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path: {path} holds no config.json (not a Hugging Face model dir)")
         return path
-    out = models_dir() / f"tiny-{policy_fingerprint(recipe)}"
+    out = cached_policy_dir(recipe)
     if (out / "sft.json").is_file():
         return out
     import torch
@@ -147,13 +159,14 @@ def ensure_base_policy(recipe, progress=None) -> Path:
     env = make_environment(recipe.environment)
     train = source.train[: recipe.model.sft_examples]
     texts = [m["content"] for t in train for m in env.prompt_messages(t)] + [t.answer for t in train]
-    tokenizer = build_tokenizer(texts, recipe.model.bpe_vocab_size, tmp)
+    tokenizer = build_tokenizer(texts, recipe.model.bpe_vocab_size, tmp, recipe.model.architecture)
     model = build_model(tokenizer, recipe.model, tmp)
     torch.manual_seed(recipe.model.seed)
     losses = warm_start(model, tokenizer, env, train, recipe.model, progress)
     model.save_pretrained(tmp)
     meta = {
         "fingerprint": policy_fingerprint(recipe),
+        "architecture": recipe.model.architecture,
         "sft_steps": recipe.model.sft_steps,
         "final_loss": losses[-1] if losses else None,
         "loss_curve": losses,

@@ -1,12 +1,21 @@
-"""Build a tiny Llama-style policy and a byte-level BPE tokenizer with a chat template, locally.
+"""Build a tiny policy and a byte-level BPE tokenizer with a chat template, locally.
 
 No hub is reachable, so the tokenizer is trained on the task text itself and the model starts
 from random weights (see sft.py for the warm start). Both are saved in Hugging Face format, which
-transformers and vLLM load offline.
+transformers and vLLM load offline. Two architectures (`model.architecture`), each with the chat
+format its family uses:
+
+* **llama**: role tags (`<|user|>...<|end|>`), `<|end|>` as EOS, untied input and output embeddings.
+* **qwen2**: ChatML (`<|im_start|>user\n...<|im_end|>\n`), `<|im_end|>` as EOS, biases on q/k/v,
+  grouped-query attention (`model.num_kv_heads`) and tied embeddings, as Qwen2/Qwen2.5 models have.
+
+Nothing outside this file knows either format: the rest of Factory reads the chat template, the
+EOS token and the parameter names from what transformers loads.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 END = "<|end|>"
@@ -36,11 +45,54 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
-    """Byte-level BPE trained on `texts`; digits are split one per token (arithmetic needs it)."""
+# ChatML as Qwen2 models render it, without their default system message (a recipe's
+# environment.system_prompt gives one); tool calls in the same <tool_call> syntax as above, tool
+# results as `tool` messages. Text after each <|im_end|> (the newline) is part of the next turn's
+# ids: the engine stops on <|im_end|> (factory/model/tokens.py).
+CHATML_TEMPLATE = (  # no whitespace control ({%- -%}): it would eat the newlines ChatML keeps
+    "{% for m in messages %}"
+    "<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% endif %}"
+    "{% for call in m['tool_calls'] or [] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "<tool_call>{\"name\": {{ f['name'] | tojson }}, \"arguments\": "
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}"
+    "}</tool_call>"
+    "{% endfor %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """A tokenizer's special tokens and chat template."""
+
+    eos: str
+    pad: str
+    special: tuple[str, ...]  # in vocabulary order, from id 0
+    extra: tuple[str, ...]  # special tokens beyond eos and pad
+    template: str
+    sample_text: str  # what the template adds around messages, so BPE learns merges for it
+
+
+CHAT_FORMATS = {
+    "llama": ChatFormat(END, PAD, tuple(SPECIAL_TOKENS), tuple(ROLE_TOKENS), CHAT_TEMPLATE, ""),
+    "qwen2": ChatFormat("<|im_end|>", "<|endoftext|>", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+                        ("<|im_start|>",), CHATML_TEMPLATE, "system\nuser\nassistant\ntool\n"),
+}
+
+
+def build_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, architecture: str = "llama"):
+    """Byte-level BPE trained on `texts`; digits are split one per token (arithmetic needs it); the
+    special tokens and chat template of `architecture`'s format."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    fmt = CHAT_FORMATS[architecture]
+    if fmt.sample_text:
+        texts = [*texts, *[fmt.sample_text] * 100]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -48,39 +100,43 @@ def build_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(fmt.special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=END, pad_token=PAD, additional_special_tokens=ROLE_TOKENS
+        tokenizer_object=tok, eos_token=fmt.eos, pad_token=fmt.pad, additional_special_tokens=list(fmt.extra)
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = fmt.template
     fast.save_pretrained(out_dir)
     return fast
 
 
 def build_model(tokenizer, section, out_dir: Path):
-    """A randomly initialised Llama sized by the recipe's model section, saved as float32."""
+    """A randomly initialised model of `section.architecture` sized by the recipe's model section,
+    saved as float32."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(section.seed)
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=len(tokenizer),
         hidden_size=section.hidden_size,
         intermediate_size=section.intermediate_size,
         num_hidden_layers=section.num_layers,
         num_attention_heads=section.num_heads,
-        num_key_value_heads=section.num_heads,
+        num_key_value_heads=section.num_kv_heads or section.num_heads,
         max_position_embeddings=section.max_position,
-        tie_word_embeddings=False,
         bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids(END),
-        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
-    model = LlamaForCausalLM(config)
+    model: torch.nn.Module
+    if section.architecture == "qwen2":  # Qwen2's attention always has q/k/v biases
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True, use_sliding_window=False))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
     model.save_pretrained(out_dir)
     return model

@@ -19,15 +19,25 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+def _known_end(tokenizer, text: str) -> int:
+    """Where the ids known for a conversation ending in a reply stop in its rendered `text`: just past
+    the reply's end token, which is where sampling stopped. A template may write more after it (ChatML's
+    newline after <|im_end|>); that text belongs to what comes next."""
+    end = tokenizer.eos_token
+    cut = text.rfind(end) if end else -1
+    return len(text) if cut < 0 else cut + len(end)
+
+
 def encode_continuation(tokenizer, old: list[dict], new: list[dict], tools: list | None = None) -> list[int]:
     """Ids of messages `new` (and the generation prompt) appended to a conversation `old` whose ids
-    are already known: the template rendered for old + new, minus the template rendered for old alone.
+    are already known up to its last end token: the template rendered for old + new, minus the
+    template rendered for old alone up to that token (what the template puts after it is sent here).
     Raises ValueError if the template does not render the longer conversation as an extension."""
     old_text = render_chat(tokenizer, old, add_generation_prompt=False, tools=tools)
     full_text = render_chat(tokenizer, old + new, add_generation_prompt=True, tools=tools)
     if not full_text.startswith(old_text):
         raise ValueError("the chat template does not render the conversation as a prefix extension")
-    return tokenizer(full_text[len(old_text):], add_special_tokens=False).input_ids
+    return tokenizer(full_text[_known_end(tokenizer, old_text):], add_special_tokens=False).input_ids
 
 
 def encode_reply(tokenizer, context: list[dict], reply: dict, tools: list | None = None) -> list[int]:
@@ -37,7 +47,8 @@ def encode_reply(tokenizer, context: list[dict], reply: dict, tools: list | None
     full = render_chat(tokenizer, context + [reply], add_generation_prompt=False, tools=tools)
     if not full.startswith(prompt):
         raise ValueError("the chat template does not render a reply after its generation prompt")
-    return tokenizer(full[len(prompt):], add_special_tokens=False).input_ids
+    end = _known_end(tokenizer, full)
+    return tokenizer(full[len(prompt):end if end > len(prompt) else len(full)], add_special_tokens=False).input_ids
 
 
 def end_token_id(tokenizer) -> int:
