@@ -18,13 +18,16 @@ class EvaluationConfig(dg.Config):
     checkpoint: str = Field("", description="checkpoint dir; empty: the run's latest")
     suite: str = Field("heldout", description="evaluation suite")
     n: int = Field(0, ge=0, description="tasks to evaluate; 0: the recipe's eval.heldout")
+    urls: list[str] = Field([], description="running vLLM servers (http://host:port) to evaluate on instead of "
+                            "starting one; each takes the checkpoint's weights, so name none a run is training on")
 
 
-def evaluate_checkpoint(recipe, checkpoint: Path, suite: str, n: int | None, keep_episodes: bool = False) -> dict:
+def evaluate_checkpoint(recipe, checkpoint: Path, suite: str, n: int | None, keep_episodes: bool = False,
+                        urls: list[str] | None = None) -> dict:
     """{mean, stderr, n, by_family[, episodes]} of `checkpoint` on `suite` — factory's job, called here only."""
     from factory.runtime.evaluation import evaluate_checkpoint as evaluate
 
-    return evaluate(recipe, checkpoint, suite=suite, n=n, keep_episodes=keep_episodes)
+    return evaluate(recipe, checkpoint, suite=suite, n=n, keep_episodes=keep_episodes, urls=urls or ())
 
 
 def _digest(recipe, suite: str, n: int) -> str:
@@ -68,7 +71,8 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake
                   "by_family": json.loads(earlier["by_family"] or "{}"), "tasks_digest": earlier["tasks_digest"]}
     else:
         with ray.session():
-            result = evaluate_checkpoint(recipe, checkpoint, config.suite, n, keep_episodes=recipe.lake.enabled)
+            result = evaluate_checkpoint(recipe, checkpoint, config.suite, n, keep_episodes=recipe.lake.enabled,
+                                         urls=config.urls)
     episodes = result.pop("episodes", None)
     context.log.info(f"{key} step {step}: {config.suite} accuracy {result['mean']:.3f} ± {result['stderr']:.3f}")
 

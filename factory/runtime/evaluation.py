@@ -2,14 +2,14 @@
 engine and worker stood up for one checkpoint). Which tasks, and how results merge: factory/evaluate.py.
 
 `evaluate_workers` is what the run loop calls with its own env workers; `evaluate_checkpoint`
-stands up its own engine and env worker, so a checkpoint can be scored while training goes on
-(the Dagster evaluation asset, schedule and sensor call it).
+stands up its own engine (or attaches to running ones by URL) and env worker, so a checkpoint can be
+scored while training goes on (the Dagster evaluation asset, schedule and sensor call it).
 """
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import ray
@@ -68,13 +68,15 @@ def evaluate_workers(workers, tasks, recipe: Recipe, tag: str,
 
 def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "heldout", n: int | None = None,
                         engines: list | None = None, on_phase: Callable[[str], None] | None = None,
-                        on_progress: Callable[[int, int], None] | None = None, keep_episodes: bool = False) -> dict:
+                        on_progress: Callable[[int, int], None] | None = None, keep_episodes: bool = False,
+                        urls: Sequence[str] = ()) -> dict:
     """Score the policy saved at `checkpoint` (an HF model dir) on `suite`; `keep_episodes`: see
     `evaluate_workers`.
 
-    Starts its own engine, or reuses started `engines` after loading the checkpoint into them
-    (disk reload; they keep those weights afterwards). `on_phase(text)` names each stage,
-    `on_progress(done, total)` counts episodes."""
+    Starts its own engine, or reuses started `engines`, or attaches to the vLLM servers running at
+    `urls` (rollout.urls' form), loading the checkpoint into them (disk reload; they keep those weights
+    afterwards, so they must be servers no run is training on) and leaving them running.
+    `on_phase(text)` names each stage, `on_progress(done, total)` counts episodes."""
     phase = on_phase or (lambda _: None)
     checkpoint = Path(checkpoint)
     if not (checkpoint / "config.json").is_file():
@@ -83,14 +85,15 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "he
     tasks = suite_tasks(recipe, suite, n)
     with local_ray(), tempfile.TemporaryDirectory(prefix="factory-eval-") as tmp:
         model = ray.put(DirBundle.of(checkpoint, exclude=("trainer.pt",)))  # to whichever nodes serve it
-        own = engines is None
+        own = engines is None  # ours to stop (an attached server stays up: stopping its client disconnects)
         if engines is None:
-            phase(f"starting a {recipe.rollout.engine} engine on {checkpoint}")
+            phase(f"attaching to {', '.join(urls)}" if urls else f"starting a {recipe.rollout.engine} engine on "
+                  f"{checkpoint}")
             engines = [placed(EngineActor, recipe.placement.engine).remote(
-                recipe.rollout.engine, model, recipe.rollout, str(Path(tmp) / "engine.log"),
-                shape=shape_of(recipe, generating_only=True))]
+                recipe.rollout.engine, model, recipe.rollout, str(Path(tmp) / f"engine-{i}.log"), url=url,
+                shape=shape_of(recipe, generating_only=True)) for i, url in enumerate(urls or [None])]
             ray.get([e.start.remote() for e in engines])
-        else:
+        if not own or urls:
             ray.get([e.update.remote(-1, "disk", model) for e in engines])  # -1: not a version of any run
         worker = placed(EnvWorkerActor, recipe.placement.env_worker).remote(model, recipe.environment, recipe.rollout,
                                                                              engines, None, recipe.failures,

@@ -5,7 +5,10 @@ itself from its last checkpoint, every sample and step in the lake once, is test
 production profile, where the daemon is killed too: tests/infra/test_production.py.)
 
 Runs take the session's cached tiny policy (`model.path`): no SFT here. One RL run at a time
-(dagster.yaml's limit), each with its own vLLM server (~40 s to start).
+(dagster.yaml's limit). Every run and evaluation here attaches to the session's vLLM server
+(`rollout.urls`, the evaluation's `urls`) instead of starting one (~40 s each on 2 cores): each run
+gives it its own weights at the start, the evaluation the checkpoint's. A Dagster run that starts
+its own engine is tested on the production profile (tests/infra/test_production.py).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 from pathlib import Path
 
 import pytest
+import ray
 from mlflow import MlflowClient
 
 from assets.dev import DagsterDev
@@ -74,8 +78,9 @@ def test_dagster_dev_as_the_readme_starts_it_listens_on_loopback(dagster):
     assert not beyond_loopback(sockets), beyond_loopback(sockets)
 
 
-def test_a_sweep_of_two_points_trains_two_runs_with_lake_mlflow_and_evaluations(dagster, policy):
-    run_overrides = overrides(policy, *TINY)
+def test_a_sweep_of_two_points_trains_two_runs_with_lake_mlflow_and_evaluations(dagster, policy, engine):
+    url = ray.get(engine.url.remote())
+    run_overrides = overrides(policy, *TINY, f"rollout.urls=[{url}]")
     sweep = launch_sweep(dagster, run_overrides, SWEEP_GRID)
     recipe = small_recipe(*run_overrides[len(TEST_OVERRIDES):])
     recipe.sweep = parse_grid(SWEEP_GRID)  # what plan_sweep does
@@ -83,15 +88,15 @@ def test_a_sweep_of_two_points_trains_two_runs_with_lake_mlflow_and_evaluations(
     assert len(keys) == 2 and set(keys) <= set(dagster.partition_keys("rl_run"))
 
     # the rl_run_launcher sensor starts one rl_run_job per point; dagster.yaml lets one run at a time.
-    # Once the first has finished, an evaluation of its step-2 checkpoint (which no run evaluated)
-    # is launched the way the schedule launches one, beside the second run's training.
+    # Once both have finished (the engine they share is free), an evaluation of the first run's step-2
+    # checkpoint (which no run evaluated) is launched the way the schedule launches one.
     in_sweep = [{"key": "factory/sweep_run_id", "value": sweep}]
-    done = dagster.wait_for_runs(1, 900, tags=in_sweep)[-1]  # (newest first: the oldest finished)
-    evaluated = done["tags"]["dagster/partition"]
-    checkpoint = dagster.home / "runs" / evaluated / "checkpoints" / "step-000002"
-    evaluation = dagster.launch("evaluation_job", {"ops": {"evaluation": {"config": {"checkpoint": str(checkpoint)}}}},
-                                tags={"dagster/partition": evaluated, "factory/kind": "evaluation"})
     runs = dagster.wait_for_runs(2, 900, tags=in_sweep)
+    evaluated = runs[-1]["tags"]["dagster/partition"]  # (newest first: the oldest)
+    checkpoint = dagster.home / "runs" / evaluated / "checkpoints" / "step-000002"
+    config = {"checkpoint": str(checkpoint), "urls": [url]}
+    evaluation = dagster.launch("evaluation_job", {"ops": {"evaluation": {"config": config}}},
+                                tags={"dagster/partition": evaluated, "factory/kind": "evaluation"})
     assert [r["status"] for r in runs] == ["SUCCESS", "SUCCESS"], [(r["runId"], r["status"]) for r in runs]
     assert sorted(r["tags"]["dagster/partition"] for r in runs) == keys
     assert {r["jobName"] for r in runs} == {"rl_run_job"}
@@ -154,9 +159,10 @@ def test_a_sweep_of_two_points_trains_two_runs_with_lake_mlflow_and_evaluations(
     assert episodes == [{"n": 32, "mean": pytest.approx(scored["metadata"]["accuracy"])}]  # each episode too
 
 
-def test_main_materializes_the_asset_graph_in_process(policy, tmp_path, monkeypatch):
+def test_main_materializes_the_asset_graph_in_process(policy, engine, tmp_path, monkeypatch):
     """`make main`'s command on a tiny recipe: main_job in-process on the embedded instance, then
-    the summary and where to look (Dagster UI, MLflow UI, a SQL query that works)."""
+    the summary and where to look (Dagster UI, MLflow UI, a SQL query that works). The run attaches to
+    the session's engine."""
     import subprocess
     import sys
 
@@ -165,7 +171,7 @@ def test_main_materializes_the_asset_graph_in_process(policy, tmp_path, monkeypa
     for name in ("DAGSTER_HOME", "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FACTORY_PROFILE", "FACTORY_ENV_FILE"):
         env.pop(name, None)
     command = [sys.executable, "-m", "assets", "materialize", "recipes/default.yaml",
-               *overrides(policy, "train.steps=2", "eval.heldout=16")]
+               *overrides(policy, "train.steps=2", "eval.heldout=16", f"rollout.urls=[{ray.get(engine.url.remote())}]")]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
