@@ -144,6 +144,12 @@ class StalenessBuffer:
         self.running += 1
         return True
 
+    def release(self) -> None:
+        """Give back a started group's slot without a fate: the group is re-queued and starts again."""
+        if self.running <= 0:
+            raise RuntimeError("release() called with no running group")
+        self.running -= 1
+
     def finish(self, group: Group | None) -> str:
         """Release a started group's slot and decide its fate.
 

@@ -295,6 +295,17 @@ def _engine_names() -> list[JsonValue]:
     return list(ENGINES.names())
 
 
+class HealthSection(Section):
+    """How a run watches the engines it started (attached ones, `rollout.urls`, are waited for, never
+    restarted): a probe every `interval_s`; a server whose process exited is dead at once, one that
+    misses `misses` probes in a row (hung, e.g. stopped) is killed; either is restarted."""
+
+    interval_s: float = Field(10, gt=0, description="seconds between probes of each engine")
+    timeout_s: float = Field(5, gt=0, description="a probe unanswered after this is a miss")
+    misses: int = Field(2, ge=1, description="missed probes in a row that declare an engine hung")
+    first_wait_s: float = Field(30, ge=0, description="no probe this long after an engine (re)starts")
+
+
 class RolloutSection(Section):
     engine: str = Field("vllm", description="a registered rollout engine (factory/rollout/engines.py)",
                         json_schema_extra={"enum": _engine_names()})
@@ -337,6 +348,10 @@ class RolloutSection(Section):
         "them and continue prompt + tokens so far under the new weights; inflight = pause with the KV cache "
         "kept, swap weights, resume (vllm only for the last two)")
     startup_timeout_s: float = Field(300, gt=0)
+    health: HealthSection = Field(default_factory=HealthSection)
+    max_engine_restarts: int = Field(
+        3, ge=0, description="engines restarted within one run (dead or hung; each is given the current "
+        "weights, its in-flight groups re-queued); one more failure stops the run")
     seed: int | None = Field(
         0, description="each request's sampling seed derives from it, the episode's session id and turn, so "
         "generation repeats: two runs at η = 0, or a run and its resume, sample the same tokens. null: the engine "
@@ -511,6 +526,12 @@ class TrainSection(Section):
     grad_clip: float = Field(1.0, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
     checkpoint_every: int = Field(100, ge=0, description="0 saves only the final checkpoint")
+    checkpoint_every_s: float = Field(
+        1800, ge=0, description="also checkpoint when this many seconds have passed since the last one, so a "
+        "lost trainer costs minutes; 0 = by steps only")
+    max_trainer_restarts: int = Field(
+        2, ge=0, description="a trainer that dies is rebuilt inside the same run, which resumes from its latest "
+        "checkpoint (exact, as a resumed run); one more death stops the run")
     max_restarts: int = Field(3, ge=0, description="times a crashed run is relaunched from its last checkpoint "
                               "(Dagster's rl_run_recovery sensor)")
     lora: LoraSection = Field(default_factory=LoraSection)
@@ -555,6 +576,9 @@ class FailuresSection(Section):
     min_groups: int = Field(20, gt=0, description="finished groups before max_share applies")
     tracebacks: int = Field(3, ge=0, description="failures each env worker logs with their whole traceback; "
                             "after them, a count line at 2^k failures")
+    max_worker_restarts: int = Field(
+        3, ge=0, description="env workers and the scorer restarted within one run after their process died "
+        "(a dead worker's groups are re-queued under their ids); one more death stops the run")
 
 
 class DeadlinesSection(Section):

@@ -13,6 +13,7 @@ generation may run ahead: 0 is synchronous, 1 one-step off-policy, k fully async
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -26,18 +27,22 @@ from factory.data.tasks import ReasoningGymSource
 from factory.evaluate import suite_tasks
 from factory.model.sft import ensure_base_policy
 from factory.recipe import Recipe
-from factory.recording import RunRecorder
+from factory.failures import RunFailure
+from factory.recording import RunRecorder, latest_checkpoint
 from factory.runtime.actors import (
     BufferActor, EngineActor, EnvWorkerActor, ScorerActor, killed_on_error, placed,
 )
 from factory.runtime.cluster import check_placement, local_ray
 from factory.runtime.deadlines import get_within
 from factory.runtime.evaluation import evaluate_workers
+from factory.runtime.supervisor import ActorLost, EngineLostDuringSync, Supervisor
 from factory.runtime.trainers import start_trainer
 from factory.runtime.transfer import DirBundle, node_ip
 from factory.runtime.weights import WeightPublisher, connect_broadcast, engine_metrics, publish_weights
 from factory.threads import shape_of
 from factory.throughput import WindowedRate
+
+log = logging.getLogger("factory.run")
 
 __all__ = ["StepReport", "connect_broadcast", "engine_metrics", "publish_weights", "run"]
 
@@ -56,20 +61,47 @@ def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | N
     `engines`: already-started EngineActors serving a model of the same architecture (tests and
     benchmarks share one vLLM server this way); they are given this run's weights first and are
     left running at the end. Without it the run starts and stops its own.
+
+    A trainer that dies is rebuilt here, and the run resumes from its latest checkpoint exactly as a
+    relaunched run would (the lake and MLflow rewound to it), up to `train.max_trainer_restarts` times.
     """
-    record = RunRecorder(recipe, run_dir, resume_from=resume_from)
-    try:
-        results = _run(recipe, run_dir, record, on_step, on_phase or (lambda _: None), resume_from, engines,
-                       on_sft_step)
-    except BaseException:
-        record.fail()
-        raise
-    record.finish(results)
-    return results
+    phase = on_phase or (lambda _: None)
+    restarts, before = 0, None
+    while True:
+        record = RunRecorder(recipe, run_dir, resume_from=resume_from)
+        try:
+            results = _run(recipe, run_dir, record, on_step, phase, resume_from, engines, on_sft_step, before)
+        except TrainerLost as lost:
+            record.fail()
+            restarts += 1
+            if restarts > recipe.train.max_trainer_restarts:
+                raise ActorLost(f"the trainer died ({lost}) after {recipe.train.max_trainer_restarts} restarts in "
+                                "this run; the run stops at train.max_trainer_restarts") from lost
+            before, resume_from = lost.before, latest_checkpoint(run_dir)
+            where = f"its checkpoint {resume_from.name}" if resume_from else "the start (no checkpoint yet)"
+            log.warning("the trainer died (%s); rebuilding it and resuming from %s (restart %d of at most %d)",
+                        lost, where, restarts, recipe.train.max_trainer_restarts)
+            phase(f"the trainer died: resuming from {where}")
+            continue
+        except BaseException:
+            record.fail()
+            raise
+        results["trainer_restarts"] = restarts
+        record.finish(results)
+        return results
+
+
+class TrainerLost(RuntimeError):
+    """The trainer's actor (a rank of it) died; `before`: the run's starting evaluation, kept for the
+    attempt that resumes."""
+
+    def __init__(self, why: str, before: dict | None = None):
+        super().__init__(why)
+        self.before = before
 
 
 def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, resume_from, engines,
-         on_sft_step) -> dict:
+         on_sft_step, before: dict | None = None) -> dict:
     t_start = time.time()
     phase("base policy (build + SFT warm start, cached)")
     # a resumed run starts from the base policy too and loads the checkpoint's state into the trainer: the
@@ -85,31 +117,50 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         version = _restore(a, recipe, resume_from)
         _start_env_workers(a, recipe, created)
         results: dict = {"run_dir": str(run_dir), "recipe": recipe.name, "policy": str(policy), "nodes": a.nodes()}
-        if recipe.eval.before:
+        if before is not None:  # a rebuilt trainer's attempt: the run's start was evaluated already
+            results["before"] = before
+        elif recipe.eval.before:
             results["before"] = _evaluate(a, heldout, recipe, record, version, "before", phase)
 
         phase("training")
-        producing = [w.produce.remote() for w in a.workers]
-        clock = LoopClock(generated=ray.get(a.buffer.metrics.remote())["buffer/finished_samples"])
+        sup = _supervisor(a, recipe, run_dir, created)
         sync = WeightPublisher(a.engines, a.trainer, recipe.rollout.weight_sync, deadlines.weight_sync_s,
-                               overlap=recipe.rollout.overlap_sync)
-        for step in range(version + 1, recipe.train.steps + 1):
-            batch = clock.waiting(partial(_next_batch, a, step, deadlines))
-            batch, metrics = _score_and_train(a, batch, step, deadlines)
-            metrics.update(clock.synced(sync.publish(step)))  # returns once new requests wait for version `step`
-            ray.get(a.buffer.set_version.remote(step))
-            _record_samples(a, record, batch, step)
-            metrics.update(_observe(a, clock, len(batch.samples)))
-            record.log_step(step, metrics)
-            if on_step:
-                on_step(StepReport(step, metrics))
-            if (recipe.train.checkpoint_every and step % recipe.train.checkpoint_every == 0) or step == recipe.train.steps:
-                _checkpoint(a, record, run_dir, step, deadlines)
-        clock.synced(sync.finish())  # the engines serve the last step's weights from here on
+                               overlap=recipe.rollout.overlap_sync, poll=sup.interrupt_sync)
+        sup.sync = sync
+        producing = [w.produce.remote() for w in a.workers]
+        sup.start(producing)
+        clock = LoopClock(generated=ray.get(a.buffer.metrics.remote())["buffer/finished_samples"])
+        last_checkpoint = time.monotonic()
+        try:
+            for step in range(version + 1, recipe.train.steps + 1):
+                batch = clock.waiting(partial(_next_batch, a, step, deadlines, sup.check))
+                batch, metrics = _score_and_train(a, batch, step, deadlines, sup)
+                metrics.update(clock.synced(_publish(sync, sup, step)))  # returns once new requests wait for `step`
+                ray.get(a.buffer.set_version.remote(step))
+                _record_samples(a, record, batch, step)
+                metrics.update(_observe(a, clock, len(batch.samples)))
+                metrics.update(sup.metrics())
+                record.log_step(step, metrics)
+                if on_step:
+                    on_step(StepReport(step, metrics))
+                every_s = recipe.train.checkpoint_every_s
+                if ((recipe.train.checkpoint_every and step % recipe.train.checkpoint_every == 0)
+                        or step == recipe.train.steps or (every_s and time.monotonic() - last_checkpoint >= every_s)):
+                    _checkpoint(a, record, run_dir, step, deadlines)
+                    last_checkpoint = time.monotonic()
+            clock.synced(sync.finish())  # the engines serve the last step's weights from here on
+        except ray.exceptions.RayActorError as err:
+            if _trainer_alive(a):
+                raise
+            raise TrainerLost(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                              results.get("before")) from err
+        finally:
+            sup.stop()
         clock.stop()
 
         phase("stopping rollouts")
-        results.update(_stop(a, producing, record, recipe.train.steps))
+        results.update(_stop(a, sup.producing, record, recipe.train.steps))
+        results["restarts"] = dict(sup.restarts)
         if recipe.eval.after:
             results["after"] = _evaluate(a, heldout, recipe, record, recipe.train.steps, "after", phase)
         ray.get([w.close.remote() for w in a.workers])
@@ -154,19 +205,12 @@ def _start(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Path, tra
     policy_ref = ray.put(DirBundle.of(policy, "policy", exclude=("trainer.pt",)))
     own_engines = engines is None
     if own_engines:
-        lora_rank = recipe.train.lora.rank if recipe.train.lora.enabled else 0
-        urls: Sequence[str | None] = recipe.rollout.urls or [None] * recipe.rollout.num_engines
-        engines = [placed(EngineActor, where.engine).remote(recipe.rollout.engine, policy_ref, recipe.rollout,
-                                                            str(run_dir / f"engine-{i}.log"), lora_rank, url,
-                                                            shape_of(recipe))
-                   for i, url in enumerate(urls)]
+        engines = [_engine_actor(recipe, run_dir, policy_ref, i) for i in range(len(_engine_urls(recipe)))]
         created.extend(engines)
     trainer, trainer_ranks = start_trainer(policy_ref, recipe, shape_of(recipe), where.trainer)
     created.extend(trainer_ranks)
     # the scoring phase: a teacher grading every trained token (on-policy distillation), if any
-    distill = recipe.algorithm.distill
-    scorer = (placed(ScorerActor, where.scorer).remote(distill, recipe.rollout, DirBundle.of(distill.teacher, "teacher"))
-              if distill.teacher else None)
+    scorer = _scorer_actor(recipe) if recipe.algorithm.distill.teacher else None
     buffer = placed(BufferActor, where.buffer).remote(recipe.name, train_tasks, recipe.async_, recipe.train,
                                                       recipe.algorithm, recipe.failures, record.keeps_all_samples)
     created.extend(x for x in (scorer, buffer) if x is not None)
@@ -177,6 +221,19 @@ def _start(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Path, tra
     if not own_engines:
         ray.get([e.set_partial_rollout.remote(recipe.rollout.partial_rollout) for e in engines])
     return Actors(engines, trainer, scorer, buffer, [], own_engines, policy_ref)
+
+
+def _engine_urls(recipe: Recipe) -> Sequence[str | None]:
+    return recipe.rollout.urls or [None] * recipe.rollout.num_engines
+
+
+def _engine_actor(recipe: Recipe, run_dir: Path, policy_ref, i: int, attempt: int = 0):
+    """Engine `i` (not yet started), placed by `placement.engine`; a restart logs to a file of its own."""
+    lora_rank = recipe.train.lora.rank if recipe.train.lora.enabled else 0
+    log_name = f"engine-{i}.log" if not attempt else f"engine-{i}.restart-{attempt}.log"
+    return placed(EngineActor, recipe.placement.engine).remote(
+        recipe.rollout.engine, policy_ref, recipe.rollout, str(run_dir / log_name), lora_rank,
+        _engine_urls(recipe)[i], shape_of(recipe))
 
 
 def _restore(a: Actors, recipe: Recipe, resume_from: Path | None) -> int:
@@ -195,18 +252,79 @@ def _restore(a: Actors, recipe: Recipe, resume_from: Path | None) -> int:
     return version
 
 
+def _env_worker(a: Actors, recipe: Recipe, i: int):
+    return placed(EnvWorkerActor, recipe.placement.env_worker).remote(
+        a.policy, recipe.environment, recipe.rollout, a.engines, a.buffer, recipe.failures, recipe.deadlines, i)
+
+
 def _start_env_workers(a: Actors, recipe: Recipe, created) -> None:
     """The env workers, each with its gateway serving (they produce once training starts)."""
-    a.workers = [placed(EnvWorkerActor, recipe.placement.env_worker).remote(
-        a.policy, recipe.environment, recipe.rollout, a.engines, a.buffer, recipe.failures, recipe.deadlines)
-        for _ in range(recipe.environment.workers)]
+    a.workers = [_env_worker(a, recipe, i) for i in range(recipe.environment.workers)]
     created.extend(a.workers)
     ray.get([w.start.remote() for w in a.workers])
 
 
-def _next_batch(a: Actors, step: int, deadlines):
+def _supervisor(a: Actors, recipe: Recipe, run_dir: Path, created) -> Supervisor:
+    """The run's supervisor, with how to start each kind of actor again (killed with the run: `created`)."""
+    startup_s = recipe.rollout.startup_timeout_s + 60
+
+    def engine(i: int, attempt: int):
+        new = _engine_actor(recipe, run_dir, a.policy, i, attempt)
+        created.append(new)
+        ray.get(new.start.remote(), timeout=startup_s)
+        return new
+
+    def worker(i: int):
+        new = _env_worker(a, recipe, i)
+        created.append(new)
+        ray.get(new.start.remote(), timeout=startup_s)
+        return new
+
+    def scorer():
+        new = _scorer_actor(recipe)
+        created.append(new)
+        return new
+
+    return Supervisor(a, recipe, start_engine=engine, start_worker=worker,
+                      start_scorer=scorer if a.scorer is not None else None,
+                      restartable=a.own_engines and not recipe.rollout.urls)
+
+
+def _scorer_actor(recipe: Recipe):
+    distill = recipe.algorithm.distill
+    assert distill.teacher is not None  # only asked for with a teacher
+    return placed(ScorerActor, recipe.placement.scorer).remote(distill, recipe.rollout,
+                                                               DirBundle.of(distill.teacher, "teacher"))
+
+
+def _trainer_alive(a: Actors) -> bool:
+    ranks = getattr(a.trainer, "ranks", [a.trainer])
+    try:
+        ray.get([r.pid.remote() for r in ranks], timeout=60)
+        return True
+    except ray.exceptions.RayActorError:
+        return False
+
+
+def _next_batch(a: Actors, step: int, deadlines, poll=None):
     return get_within(a.buffer.get_batch.remote(), deadlines.batch_s, f"the batch of step {step}",
-                      "deadlines.batch_s", lambda: _buffer_state(a.buffer))
+                      "deadlines.batch_s", lambda: _buffer_state(a.buffer), poll)
+
+
+def _publish(sync: WeightPublisher, sup: Supervisor, step: int) -> dict[str, float]:
+    """`sync.publish(step)`; when an engine was lost under it, the supervisor's recovery gives every
+    engine the trainer's weights (version `step`) instead."""
+    t0 = time.perf_counter()
+    try:
+        return sync.publish(step)
+    except EngineLostDuringSync:
+        pass
+    except (ray.exceptions.RayError, RunFailure) as err:
+        if not sup.probe_now():  # not an engine's loss: the run's error
+            raise
+        log.warning("weight sync of version %d failed (%s): an engine was lost", step, type(err).__name__)
+    sup.check()
+    return {"weightsync/blocked_s": time.perf_counter() - t0}
 
 
 def _evaluate(a: Actors, tasks, recipe: Recipe, record: RunRecorder, step: int, tag: str, phase) -> dict:
@@ -217,13 +335,21 @@ def _evaluate(a: Actors, tasks, recipe: Recipe, record: RunRecorder, step: int, 
     return result
 
 
-def _score_and_train(a: Actors, batch, step: int, deadlines) -> tuple:
-    """The scoring phase (if any) and one optimizer step: (the batch as trained, its metrics)."""
+def _score_and_train(a: Actors, batch, step: int, deadlines, sup: Supervisor | None = None) -> tuple:
+    """The scoring phase (if any) and one optimizer step: (the batch as trained, its metrics). A scorer
+    that dies under its call is started again and scores the batch anew."""
     scored = {}
     if a.scorer is not None:
         t0 = time.perf_counter()
-        batch, scored = get_within(a.scorer.score.remote(batch), deadlines.train_step_s,
-                                   f"scoring the batch of step {step}", "deadlines.train_step_s")
+        while True:
+            try:
+                batch, scored = get_within(a.scorer.score.remote(batch), deadlines.train_step_s,
+                                           f"scoring the batch of step {step}", "deadlines.train_step_s")
+                break
+            except ray.exceptions.RayActorError as err:
+                if sup is None:
+                    raise
+                sup.restart_scorer(type(err).__name__)
         scored["perf/score_s"] = time.perf_counter() - t0
     metrics = get_within(a.trainer.train_step.remote(batch), deadlines.train_step_s, f"trainer step {step}",
                          "deadlines.train_step_s")

@@ -155,6 +155,23 @@ class ServerClient:
             self._client = engine_client(self.url)
         return self._client
 
+    async def health(self, timeout_s: float) -> tuple[bool, str] | None:
+        """None when the server answers its health route within `timeout_s`; else (dead, why): dead =
+        its process exited (a server we started), not dead = no answer in time (hung or overloaded)."""
+        proc = getattr(self.server, "proc", None)
+        if proc is not None and proc.poll() is not None:
+            return True, f"server process exited with code {proc.returncode}"
+        path = getattr(self.server, "health_path", "/health")
+        try:
+            resp = await self.client.get(path, timeout=timeout_s)
+        except httpx.TimeoutException:
+            return False, f"no answer on {path} within {timeout_s:g} s"
+        except httpx.HTTPError as err:
+            return proc is not None, f"{path}: {type(err).__name__}: {err}"
+        if resp.status_code != 200:
+            return False, f"{path} answered {resp.status_code}"
+        return None
+
     async def close_client(self) -> None:
         if self._client is not None:
             await self._client.aclose()

@@ -324,6 +324,8 @@ class VLLMEngine(ServerClient):
             resp = await self.client.post("/factory/v1/generate_batch", json={"requests": requests})
             resp.raise_for_status()
             choices = resp.json()["choices"]
+        except httpx.TransportError as err:  # the server is gone or hung: the caller must see that as such
+            choices = [{"lost": err}] * len(batch)
         except Exception as err:
             choices = [{"error": f"{type(err).__name__}: {err}"}] * len(batch)
         finally:
@@ -331,6 +333,9 @@ class VLLMEngine(ServerClient):
                 self._engine_ids.pop(request_id, None)
         for (prompt_ids, _request_id, future, sampling), choice in zip(batch, choices):
             if future.done():
+                continue
+            if "lost" in choice:
+                future.set_exception(choice["lost"])
                 continue
             if "error" in choice:
                 future.set_exception(RuntimeError(f"vLLM token endpoint: {choice['error']}"))

@@ -183,6 +183,12 @@ class EngineActor(Placed):
         t3 = time.perf_counter()
         return {"drain_s": t1 - t0, "transfer_s": t2 - t1, "reopen_s": t3 - t2}
 
+    async def health(self, timeout_s: float) -> tuple[bool, str] | None:
+        """None when the engine's server answers within `timeout_s`; else (dead, why) (see `ServerClient.health`).
+        An in-process engine (HF) is as alive as this actor."""
+        probe = getattr(self.engine, "health", None)
+        return None if probe is None else await probe(timeout_s)
+
     async def metrics(self) -> dict[str, float]:
         return {**self.engine.metrics(), **({"rollout/engine_threads": self.threads} if self.threads else {})}
 
@@ -198,7 +204,12 @@ class RemoteEngine:
     answered as soon as that call returns. Why: a Ray call costs a few ms of CPU on each side; one per
     prompt was most of the engine actor's CPU and a large share of the env worker's
     (bench/step_anatomy.py), on cores the engine and trainer need. The engine coalesces them into
-    HTTP batches as before."""
+    HTTP batches as before.
+
+    An engine that is lost (its actor gone, its server unreachable) fails its waiting calls with
+    `EngineLost` and holds new ones until the run's supervisor hands over a restarted engine
+    (`replace`); `losses` counts the losses, so an env worker can tell a group cut short by one from
+    a group its environment failed."""
 
     def __init__(self, actor, deadline_s: float | None = None, window_s: float = 0.002):
         from factory.rollout.engine import Batcher
@@ -206,14 +217,23 @@ class RemoteEngine:
         self.actor = actor
         self.deadline_s = deadline_s
         self._batcher = Batcher(self._call, window_s)
+        self.available = asyncio.Event()
+        self.available.set()
+        self.losses = 0
+
+    def replace(self, actor) -> None:
+        self.actor = actor
+        self.available.set()
 
     async def generate(self, prompt_ids, sampling, request_id):
+        await self.available.wait()
         future = asyncio.get_running_loop().create_future()
         self._batcher.add(((prompt_ids, sampling, request_id), future))
         return await future
 
     async def _call(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
-        ref = self.actor.generate_many.remote([request for request, _ in batch])
+        actor = self.actor
+        ref = actor.generate_many.remote([request for request, _ in batch])
         try:
             results = await asyncio.wait_for(ref, self.deadline_s)
         except TimeoutError:
@@ -225,6 +245,12 @@ class RemoteEngine:
                        for request, _ in batch]
         except Exception as err:  # noqa: BLE001  (the actor is gone or failed: every waiter learns of it)
             results = [err] * len(batch)
+        if any(engine_lost(r) for r in results):
+            if actor is self.actor:  # not yet replaced: hold new calls until it is
+                self.available.clear()
+            self.losses += 1
+            results = [EngineLost(f"rollout engine lost: {type(r).__name__}: {r}") if engine_lost(r) else r
+                       for r in results]
         for (_, future), result in zip(batch, results):
             if future.done():  # its episode was cancelled meanwhile
                 continue
@@ -232,6 +258,22 @@ class RemoteEngine:
                 future.set_exception(result)
             else:
                 future.set_result(result)
+
+
+class EngineLost(RuntimeError):
+    """A generation cut short because its engine died or stopped answering (its group is re-queued)."""
+
+
+def engine_lost(result) -> bool:
+    """Is this call's outcome the engine's loss (its actor gone; its server's connection refused, reset or
+    closed mid-answer), as opposed to a request the engine refused or an answer?"""
+    import httpx
+
+    if isinstance(result, (ray.exceptions.RayActorError, EngineLost)):
+        return True
+    if isinstance(result, ray.exceptions.RayTaskError):
+        result = result.cause
+    return isinstance(result, (httpx.TransportError, EngineLost))
 
 
 @ray.remote(num_cpus=0)
@@ -256,6 +298,8 @@ class BufferActor(Placed):
                           if async_.schedule == "longest_first" else None)
         self.next_group = 0
         self.inflight: dict[str, Task] = {}  # started, not finished: group id -> task (in start order)
+        self.owners: dict[str, int] = {}  # group id -> the env worker running it
+        self.requeued = 0
         self.restart: collections.deque[tuple[str, Task]] = collections.deque()  # a resumed run's in-flight groups
         self.changed = asyncio.Condition()
         self.stopped = False
@@ -265,8 +309,8 @@ class BufferActor(Placed):
         async with self.changed:
             self.changed.notify_all()
 
-    async def acquire(self) -> tuple[str, Task] | None:
-        """Wait for capacity; returns (group id, task) or None once stopped."""
+    async def acquire(self, owner: int = 0) -> tuple[str, Task] | None:
+        """Wait for capacity; returns (group id, task) or None once stopped. `owner`: the env worker's index."""
         async with self.changed:
             await self.changed.wait_for(lambda: self.stopped or self.buffer.capacity() > 0)
             if self.stopped:
@@ -278,7 +322,22 @@ class BufferActor(Placed):
                 group_id, task = f"{self.run_id}-g{self.next_group:07d}", (self.scheduler or self.sampler).next()
                 self.next_group += 1
             self.inflight[group_id] = task
+            self.owners[group_id] = owner
             return group_id, task
+
+    async def requeue(self, group_ids: list[str] | None = None, owner: int | None = None) -> int:
+        """Put running groups back at the head of the queue under their own ids, their slots released and
+        no fate recorded: the groups `group_ids` (cut short by a lost engine), or every group the env
+        worker `owner` ran (it died). Returns how many."""
+        ids = group_ids if group_ids is not None else [g for g, o in self.owners.items() if o == owner]
+        back = [(g, self.inflight.pop(g)) for g in ids if g in self.inflight]
+        for g, _ in back:
+            self.owners.pop(g, None)
+            self.buffer.release()
+        self.restart.extendleft(reversed(back))
+        self.requeued += len(back)
+        await self._notify()
+        return len(back)
 
     async def finish(self, group: Group | None, seconds: float | None = None, failure=None,
                      group_id: str | None = None) -> str:
@@ -287,7 +346,10 @@ class BufferActor(Placed):
             self.predictor.observe(group.task, seconds)
         key = group.group_id if group is not None else group_id
         if key is not None:
+            if key not in self.inflight:  # re-queued meanwhile (its worker was declared dead): not twice
+                return "requeued"
             self.inflight.pop(key, None)
+            self.owners.pop(key, None)
         status = self.buffer.finish(group)
         if group is None and failure is not None and self.buffer.keep_discarded:
             self.failed_groups.append((group_id or "unknown", failure))
@@ -353,7 +415,8 @@ class BufferActor(Placed):
                                          if i in self.tasks_by_id)
 
     def metrics(self) -> dict[str, float]:
-        return {**self.buffer.metrics(), "buffer/failed_in_a_row": float(self.gate.in_a_row)}
+        return {**self.buffer.metrics(), "buffer/failed_in_a_row": float(self.gate.in_a_row),
+                "buffer/requeued_groups": float(self.requeued)}
 
 
 @ray.remote(num_cpus=0)
@@ -362,7 +425,7 @@ class EnvWorkerActor(Placed):
     `model`: a DirBundle or a path on this node (the tokenizer is read from it)."""
 
     def __init__(self, model: str | DirBundle, environment, rollout, engines: list, buffer, failures=None,
-                 deadlines=None):
+                 deadlines=None, index: int = 0):
         from transformers import AutoTokenizer
 
         from factory.envs.base import make_environment
@@ -378,8 +441,9 @@ class EnvWorkerActor(Placed):
                                   top_p=rollout.top_p, top_k=rollout.top_k, min_new_tokens=rollout.min_new_tokens,
                                   support_k=support_k(rollout))
         deadlines = deadlines or DeadlinesSection()
-        self.gateway = Gateway(tokenizer, [RemoteEngine(e, deadlines.engine_call_s) for e in engines], defaults,
-                               seed=rollout.seed)
+        self.engines = [RemoteEngine(e, deadlines.engine_call_s) for e in engines]
+        self.gateway = Gateway(tokenizer, self.engines, defaults, seed=rollout.seed)
+        self.index = index  # which of the run's env workers: the buffer knows its groups by it
         self.env = make_environment(environment)
         sampling = {"temperature": rollout.temperature, "max_tokens": rollout.max_new_tokens}
         self.runner = EpisodeRunner(self.gateway, self.env, sampling, rollout.group_size)
@@ -396,9 +460,13 @@ class EnvWorkerActor(Placed):
 
         t0 = time.perf_counter()
         failure = None
+        losses = self.engine_losses()
         try:
             group = await self.runner.run_group(task, group_id)
         except Exception as err:  # the environment's, its reward's or its sandbox's: logged, then counted
+            if self.engine_losses() != losses and self.producing:  # an engine died under it: not its fault
+                await self.buffer.requeue.remote([group_id])
+                return
             group, failure = None, EpisodeFailure.of(self.env.name, task.task_id, err)
             if self.producing:  # not the groups cut short when the run stops
                 self.failures.record(failure)
@@ -408,7 +476,7 @@ class EnvWorkerActor(Placed):
         """Start groups whenever the buffer admits one, until `stop_producing`."""
         self.producing = True
         while self.producing:
-            ticket = await self.buffer.acquire.remote()
+            ticket = await self.buffer.acquire.remote(self.index)
             if ticket is None:
                 break
             t = asyncio.create_task(self._group(*ticket))
@@ -425,6 +493,13 @@ class EnvWorkerActor(Placed):
         """One evaluation episode per task, in order: (reward, its Sample when `keep`)."""
         return await self.runner.episodes(tasks, {"temperature": temperature, "max_tokens": max_tokens}, tag=tag,
                                           keep=keep)
+
+    def engine_losses(self) -> int:
+        return sum(e.losses for e in self.engines)
+
+    async def replace_engine(self, i: int, actor) -> None:
+        """The run restarted engine `i`: calls held for it go to `actor` from now on."""
+        self.engines[i].replace(actor)
 
     async def metrics(self) -> dict[str, float]:
         m = self.gateway.metrics()

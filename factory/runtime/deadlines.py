@@ -28,9 +28,23 @@ class Deadline:
     def left(self) -> float:
         return max(0.0, self.end - time.monotonic())
 
-    def get(self, refs):
+    def get(self, refs, poll: Callable[[], bool] | None = None):
+        """`ray.get(refs)` within the time left. `poll`: called about once a second while waiting (the
+        run's supervisor restarting a dead actor); when it returns True the deadline starts afresh, since
+        the work waited for was held up by the restart."""
+        if poll is not None:
+            pending = list(refs) if isinstance(refs, list) else [refs]
+            while True:
+                _, waiting = ray.wait(pending, num_returns=len(pending), timeout=min(1.0, self.left()))
+                if not waiting:
+                    break
+                if poll():
+                    self.end = time.monotonic() + self.seconds
+                elif self.left() <= 0:
+                    raise self.exceeded()
+        left = self.left()
         try:
-            return ray.get(refs, timeout=self.left())
+            return ray.get(refs, timeout=None if left == float("inf") else left)
         except ray.exceptions.GetTimeoutError:
             raise self.exceeded() from None
         except ray.exceptions.RayTaskError as err:
@@ -45,6 +59,7 @@ class Deadline:
                                 f"{self.setting} in the recipe if this work is meant to take longer)")
 
 
-def get_within(refs, seconds: float, what: str, setting: str, hint: str | Callable[[], str] = ""):
+def get_within(refs, seconds: float, what: str, setting: str, hint: str | Callable[[], str] = "",
+               poll: Callable[[], bool] | None = None):
     """`ray.get(refs)` that ends by `seconds` (see `Deadline`)."""
-    return Deadline(seconds, what, setting, hint).get(refs)
+    return Deadline(seconds, what, setting, hint).get(refs, poll)

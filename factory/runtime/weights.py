@@ -7,7 +7,9 @@ engine's node pulls the bytes from the trainer's and writes them to a directory 
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 
 import ray
 
@@ -42,15 +44,24 @@ class WeightPublisher:
     end to end and per phase (the slowest engine's), its bytes, and `weightsync/blocked_s`, how long
     this call held the driver."""
 
-    def __init__(self, engines, trainer, mode: str, timeout_s: float | None = None, overlap: bool = True):
+    def __init__(self, engines, trainer, mode: str, timeout_s: float | None = None, overlap: bool = True,
+                 poll: Callable[[], bool] | None = None):
         self.engines, self.trainer, self.mode, self.timeout_s, self.overlap = engines, trainer, mode, timeout_s, overlap
+        self.poll = poll  # called while waiting; the run's supervisor raises from it when an engine is lost
         self._pending: tuple | None = None  # (version, engine refs, bytes ref, start time)
 
     def _get(self, refs, version: int):
-        if not self.timeout_s:
-            return ray.get(refs)
-        return Deadline(self.timeout_s, f"weight sync of version {version} ({self.mode})", "deadlines.weight_sync_s",
-                        "an engine did not drain, receive or reopen").get(refs)
+        return Deadline(self.timeout_s or float("inf"), f"weight sync of version {version} ({self.mode})",
+                        "deadlines.weight_sync_s", "an engine did not drain, receive or reopen").get(refs, self.poll)
+
+    def abandon(self) -> None:
+        """Forget the update under way: an engine it waits on was lost (the supervisor then gives every
+        engine the current weights itself). Its results are still awaited, off the loop, so that a
+        failed update is not reported again as an unhandled error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            threading.Thread(target=_settle, args=([*pending[1], pending[2]],), name="factory-abandoned-sync",
+                             daemon=True).start()
 
     def _collect(self) -> dict[str, float]:
         if self._pending is None:
@@ -85,6 +96,14 @@ class WeightPublisher:
         return {**done, "weightsync/blocked_s": time.perf_counter() - t0}
 
 
+def _settle(refs, timeout_s: float = 600) -> None:
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except Exception:  # noqa: BLE001  (the loss is being recovered from)
+            pass
+
+
 def publish_weights(engines, trainer, version: int, mode: str, timeout_s: float | None = None) -> dict[str, float]:
     """Drain the engines, move the trainer's weights into them and open them at `version`, all within
     `timeout_s` (`deadlines.weight_sync_s`; None: no limit); returns when they have reopened.
@@ -94,9 +113,13 @@ def publish_weights(engines, trainer, version: int, mode: str, timeout_s: float 
 
 
 def engine_metrics(engines) -> dict[str, float]:
-    """The engines' counters, summed over engines (versions: the lowest)."""
+    """The engines' counters, summed over engines (versions: the lowest); an engine whose actor died is left out."""
     out: dict[str, float] = {}
-    for m in ray.get([e.metrics.remote() for e in engines]):
+    for ref in [e.metrics.remote() for e in engines]:
+        try:
+            m = ray.get(ref)
+        except ray.exceptions.RayActorError:  # lost: the supervisor restarts it at the loop's next wait
+            continue
         for k, v in m.items():
             out[k] = min(out.get(k, v), v) if k.endswith("_version") else out.get(k, 0.0) + v
     return out

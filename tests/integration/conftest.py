@@ -62,3 +62,16 @@ def engine(ray_cluster, recipe, policy, tmp_path_factory):
 def _offline():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def actor_pids(class_name: str) -> list[int]:
+    """The pids of this machine's live Ray actor processes of `class_name` (Ray titles them
+    `ray::<class>...`); the suite runs one run at a time, so these are the running run's."""
+    import psutil
+
+    pids = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if cmd.startswith(f"ray::{class_name}") and p.info["status"] != psutil.STATUS_ZOMBIE:
+            pids.append(p.pid)
+    return pids

@@ -5,8 +5,11 @@ run did not start (it is started like `factory serve` starts one)."""
 from __future__ import annotations
 
 import json
+import signal
+import threading
 
 import httpx
+import psutil
 import pytest
 import ray
 
@@ -19,16 +22,34 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_recipe_naming_engine_urls_trains_on_an_engine_it_did_not_start(engine, tmp_path):
+    """The attached server also hangs for a while (SIGSTOP after step 1, SIGCONT 15 s later): the run
+    waits for it instead of restarting it, then reconnects and gives it the weights again."""
     url = ray.get(engine.url.remote())
-    recipe = small_recipe(f"rollout.urls=[{url}]", "train.steps=2", "eval.before=false", "eval.heldout=16",
-                          "lake.enabled=false", "tracking.enabled=false")
-    results = run(recipe, tmp_path)  # no engines handed in: the run attaches to the URL
+    recipe = small_recipe(f"rollout.urls=[{url}]", "train.steps=3", "eval.before=false", "eval.heldout=16",
+                          "lake.enabled=false", "tracking.enabled=false", "rollout.health.interval_s=2",
+                          "rollout.health.timeout_s=3", "rollout.health.first_wait_s=0")
+    (server,) = [c for c in psutil.Process(ray.get(engine.pid.remote())).children() if "vllm" in " ".join(c.cmdline())]
+    stalls: list[threading.Timer] = []
+
+    def stall(report):
+        if report.step == 1:
+            server.send_signal(signal.SIGSTOP)
+            stalls.append(threading.Timer(15, server.send_signal, (signal.SIGCONT,)))
+            stalls[0].start()
+
+    try:
+        results = run(recipe, tmp_path, on_step=stall)  # no engines handed in: the run attaches to the URL
+    finally:
+        server.send_signal(signal.SIGCONT)
     assert results["samples_trained"] > 0 and results["engine_requests"][0] > 0
+    assert results["restarts"]["engine"] == 1  # found hung, waited for: the same server, never restarted
+    assert server.is_running() and server.status() != psutil.STATUS_STOPPED
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2]
-    # the attached engine took every step's weights (plus the run's own at the start), the last one
-    # before the run ended (a step's metrics may predate its own update: rollout.overlap_sync)
-    assert results["engine_updates"] == [recipe.train.steps + 1]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    # the attached engine took the run's weights at the start, every step's (an update the stall held up
+    # completes late, or the current weights are sent again once it answers), the last one before the run
+    # ended (a step's metrics may predate its own update: rollout.overlap_sync)
+    assert results["engine_updates"][0] >= recipe.train.steps + 1
     assert results["engine_versions"] == [recipe.train.steps]
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # left running
     assert results["after"]["n"] == 16

@@ -5,13 +5,16 @@ KL penalty, whose base and reference must stay the original policy: tests/integr
 from __future__ import annotations
 
 import json
+import os
+import signal
 
+import pytest
 from safetensors.torch import load_file
 
 from factory.lake.query import sql
 from factory.run import run
 
-from .conftest import small_recipe
+from .conftest import actor_pids, small_recipe
 
 # η = 0 with seeded requests: generation for step k+1 starts from the same weights, tasks, group ids and
 # seeds in both runs, so it repeats token for token, and so do the rewards and which groups the
@@ -36,12 +39,15 @@ def step_metrics(run_dir, step) -> dict:
     return next(m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m["step"] == step)
 
 
-def check_resume_repeats(engine, tmp_path, *overrides: str) -> tuple:
-    """Run `overrides` for 3 steps, resume a second run from its step-2 checkpoint, and check that step 3
-    trained the same samples, in the same order, and reached the same weights. Returns both run dirs."""
+def check_resume_repeats(engine, tmp_path, *overrides: str, whole=None) -> tuple:
+    """Run `overrides` for 3 steps (or take that run: `whole`), resume a second run from its step-2
+    checkpoint, and check that step 3 trained the same samples, in the same order, and reached the same
+    weights. Returns both run dirs."""
     recipe = small_recipe(*EXACT, *overrides)
-    whole, resumed = tmp_path / f"{tmp_path.name}-whole", tmp_path / f"{tmp_path.name}-resumed"  # run ids: unique
-    run(recipe, whole, engines=[engine])
+    resumed = tmp_path / f"{tmp_path.name}-resumed"  # run ids: unique
+    if whole is None:
+        whole = tmp_path / f"{tmp_path.name}-whole"
+        run(recipe, whole, engines=[engine])
     checkpoint = whole / "checkpoints" / "step-000002"
     state = json.loads((checkpoint / "state.json").read_text())["buffer"]  # the BufferActor's state
     results = run(recipe, resumed, engines=[engine], resume_from=checkpoint)
@@ -55,16 +61,55 @@ def check_resume_repeats(engine, tmp_path, *overrides: str) -> tuple:
     generated = sql(f"SELECT DISTINCT group_id FROM samples WHERE run_id = '{resumed.name}' AND status <> 'evaluation'")
     assert pending and pending <= set(generated["group_id"].to_pylist())
 
-    # the same weights after that step, up to a small share of the step's own update
+    check_same_weights(whole, resumed)
+    return whole, resumed
+
+
+def check_same_weights(whole, resumed) -> None:
+    """The same weights after step 3, up to a small share of the step's own update."""
     before, whole3, resumed3 = weights(whole, 2), weights(whole, 3), weights(resumed, 3)
     for name, w in whole3.items():
         update = (w - before[name]).abs().max()
         gap = (resumed3[name] - w).abs().max()
         assert gap <= WEIGHT_TOLERANCE * update + 1e-7, (name, float(gap), float(update))
     assert max(float((whole3[n] - before[n]).abs().max()) for n in whole3) > 0  # the step did move them
-    return whole, resumed
 
 
-def test_a_resumed_run_repeats_the_uninterrupted_one(engine, tmp_path):
-    check_resume_repeats(engine, tmp_path)
+@pytest.fixture(scope="module")
+def whole_run(engine, tmp_path_factory):
+    """The uninterrupted 3-step run both tests below compare with."""
+    whole = tmp_path_factory.mktemp("resume") / "resume-whole"
+    run(small_recipe(*EXACT), whole, engines=[engine])
+    return whole
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_one(engine, tmp_path, whole_run):
+    check_resume_repeats(engine, tmp_path, whole=whole_run)
+
+
+def test_a_killed_trainer_is_rebuilt_and_the_run_resumes_inside_the_same_call(engine, tmp_path, whole_run):
+    """SIGKILL of the trainer's process after step 3 is recorded, before its checkpoint: `run` rebuilds the
+    trainer, rewinds the lake to the step-2 checkpoint and trains step 3 again, as the uninterrupted run did."""
+    killed = tmp_path / f"{tmp_path.name}-killed"
+    pids: list[int] = []
+
+    def kill_trainer(report):
+        if report.step == 3 and not pids:
+            pids.extend(actor_pids("TrainerActor"))
+            assert len(pids) == 1
+            os.kill(pids[0], signal.SIGKILL)
+
+    results = run(small_recipe(*EXACT), killed, engines=[engine], on_step=kill_trainer)
+
+    assert pids and results["trainer_restarts"] == 1
+    assert actor_pids("TrainerActor") == []  # the rebuilt trainer ended with the run
+    # step 3 once in the lake (the killed attempt's rows rewound), trained on the uninterrupted run's samples
+    steps = sql(f"SELECT step FROM steps WHERE run_id = '{killed.name}' ORDER BY step")["step"].to_pylist()
+    assert steps == [1, 2, 3]
+    rows = sql(f"SELECT sample_id, completion_ids FROM samples WHERE run_id = '{killed.name}' "
+               "AND status = 'trained' AND trained_step = 3").to_pylist()
+    assert sorted((r["sample_id"], list(r["completion_ids"])) for r in rows) == sorted(trained(whole_run, 3))
+    ids = sql(f"SELECT sample_id FROM samples WHERE run_id = '{killed.name}'")["sample_id"].to_pylist()
+    assert len(ids) == len(set(ids))
+    check_same_weights(whole_run, killed)
 

@@ -1,0 +1,251 @@
+"""Keeping a run going while its actors die: rollout engines, env workers and the scorer.
+
+A thread probes every engine (`rollout.health`: the server's health route, within a timeout) and
+every env worker (its actor answering). What it finds dead or hung it only notes; the training loop
+recovers at its next wait (`check`, polled about once a second while it waits for a batch or a
+weight sync), so nothing changes under a step in progress:
+
+- an engine the run started is killed (a stopped process too: its actor's death takes its server's
+  process group with it) and started again where `placement.engine` allows, the weight group is
+  formed anew and every engine is given the trainer's current weights at its version; the env
+  workers then send the calls they held for it to the new one. Groups that were running on it come
+  back to the buffer's queue under their ids (the env worker re-queues a group an engine loss cut
+  short), so each group still has one fate in the lake;
+- an engine the run attached to (`rollout.urls`, or engines handed to `run`) is waited for, never
+  restarted, then reconnected and given the weights;
+- a dead env worker is started again and its running groups are re-queued;
+- a dead scorer is started again and its batch scored anew (`restart_scorer`, by the loop).
+
+Each kind of restart is bounded (`rollout.max_engine_restarts`, `failures.max_worker_restarts`);
+one more loss stops the run with one line naming the actor, why, and the setting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from factory.failures import RunFailure
+from factory.runtime.weights import connect_broadcast, publish_weights
+
+log = logging.getLogger("factory.supervisor")
+
+
+class ActorLost(RunFailure):
+    """An actor of the run died more often than its restart limit allows."""
+
+
+class EngineLostDuringSync(Exception):
+    """Raised into a weight sync's wait: an engine it waits on was found lost (the loop recovers)."""
+
+
+class Supervisor:
+    """Watches the run's actors `a` (run.Actors; its lists are updated in place on a restart).
+
+    `start_engine(i, attempt)`, `start_worker(i)`, `start_scorer()`: start a replacement and return
+    its handle once it serves. `sync`: the run's WeightPublisher (its pending update is abandoned when
+    an engine is lost). `restartable`: whether the engines are the run's own (else waited for)."""
+
+    def __init__(self, a, recipe, *, start_engine: Callable[[int, int], Any], start_worker: Callable[[int], Any],
+                 start_scorer: Callable[[], Any] | None, restartable: bool, sync=None):
+        self.a, self.recipe = a, recipe
+        self.health = recipe.rollout.health
+        self.start_engine, self.start_worker, self.start_scorer = start_engine, start_worker, start_scorer
+        self.restartable = restartable
+        self.sync = sync
+        self.producing: list = []
+        self.restarts = {"engine": 0, "worker": 0, "scorer": 0}
+        self.recover_s: list[float] = []
+        self._lost_engines: dict[int, str] = {}
+        self._lost_workers: dict[int, str] = {}
+        self._replacing: set[int] = set()  # env workers being replaced (not probed meanwhile)
+        self._lock = threading.Lock()
+        n = len(a.engines)
+        self._misses = [0] * n
+        self._generation = [0] * n  # bumped on each replacement: a probe of the old one is ignored
+        self._not_before = [time.monotonic() + self.health.first_wait_s] * n
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- the watching thread ---------------------------------------------------------------------
+
+    def start(self, producing: list) -> None:
+        """Start probing; `producing`: the env workers' `produce` refs (replaced with a worker)."""
+        self.producing = producing
+        self._thread = threading.Thread(target=self._watch, name="factory-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.health.timeout_s * (len(self.a.engines) + 2) + 10)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.health.interval_s):
+            try:
+                self._probe_engines()
+                self._probe_workers()
+            except Exception as err:  # noqa: BLE001  (a probe's own fault must not end the watching)
+                log.warning("supervisor probe failed: %s", err)
+
+    def _probe_engines(self) -> None:
+        now = time.monotonic()
+        timeout = self.health.timeout_s
+        for i, engine in enumerate(list(self.a.engines)):
+            with self._lock:
+                if i in self._lost_engines or now < self._not_before[i]:
+                    continue
+                generation = self._generation[i]
+            try:
+                result = ray.get(engine.health.remote(timeout), timeout=timeout + 5)
+            except ray.exceptions.GetTimeoutError:
+                result = (False, "its actor did not answer the probe")
+            except ray.exceptions.RayActorError as err:
+                result = (True, f"its actor died ({type(err).__name__})")
+            with self._lock:
+                if generation != self._generation[i] or self._stop.is_set():
+                    continue
+                if result is None:
+                    self._misses[i] = 0
+                    continue
+                dead, why = result
+                self._misses[i] += 1
+                if dead or self._misses[i] >= self.health.misses:
+                    self._lost_engines[i] = why if dead else f"hung: {why} ({self._misses[i]} probes in a row)"
+                    log.warning("rollout engine %d lost: %s", i, self._lost_engines[i])
+
+    def _probe_workers(self) -> None:
+        for i, worker in enumerate(list(self.a.workers)):
+            try:
+                ray.get(worker.pid.remote(), timeout=self.health.timeout_s + 5)
+            except ray.exceptions.RayActorError as err:
+                with self._lock:
+                    if worker is self.a.workers[i] and i not in self._replacing and not self._stop.is_set():
+                        self._lost_workers[i] = f"its actor died ({type(err).__name__})"
+                        log.warning("env worker %d lost: %s", i, self._lost_workers[i])
+            except ray.exceptions.GetTimeoutError:
+                pass  # busy: its episodes' own deadlines cover a worker that hangs
+
+    # ---- recovery, on the loop's thread ----------------------------------------------------------
+
+    def check(self) -> bool:
+        """Recover what the probes found lost; True if anything was (the loop's waits start afresh)."""
+        with self._lock:
+            engines, self._lost_engines = self._lost_engines, {}
+            workers, self._lost_workers = self._lost_workers, {}
+            for i in engines:  # not probed while being replaced (a probe of the old one would find it dead)
+                self._generation[i] += 1
+                self._not_before[i] = float("inf")
+            self._replacing = set(workers)
+        if not engines and not workers:
+            return False
+        t0 = time.perf_counter()
+        if engines:
+            self._recover_engines(engines)
+        for i, why in sorted(workers.items()):
+            self._recover_worker(i, why)
+        with self._lock:
+            self._replacing = set()
+        self.recover_s.append(time.perf_counter() - t0)
+        return True
+
+    def interrupt_sync(self) -> bool:
+        """The weight sync's poll: raises once an engine is found lost (its update may never end)."""
+        with self._lock:
+            if self._lost_engines:
+                raise EngineLostDuringSync(", ".join(f"engine {i}: {why}" for i, why in self._lost_engines.items()))
+        return False
+
+    def probe_now(self) -> bool:
+        """One probe of every engine and worker at once (after a weight sync failed: was it a loss?)."""
+        with self._lock:
+            self._not_before = [0.0] * len(self._not_before)
+            self._misses = [max(m, self.health.misses - 1) for m in self._misses]  # one miss decides now
+        self._probe_engines()
+        self._probe_workers()
+        with self._lock:
+            return bool(self._lost_engines or self._lost_workers)
+
+    def _count(self, kind: str, limit: int, setting: str, who: str, why: str) -> int:
+        self.restarts[kind] += 1
+        n = self.restarts[kind]
+        if n > limit:
+            raise ActorLost(f"{who} lost ({why}) after {limit} restarts in this run; the run stops at "
+                            f"{setting}={limit} (raise it, or see the actor's log in the run dir)")
+        return n
+
+    def _recover_engines(self, lost: dict[int, str]) -> None:
+        rollout = self.recipe.rollout
+        if self.sync is not None:
+            self.sync.abandon()  # its update may wait on the lost engine forever
+        for i, why in sorted(lost.items()):
+            n = self._count("engine", rollout.max_engine_restarts, "rollout.max_engine_restarts",
+                            f"rollout engine {i}", why)
+            if self.restartable:
+                log.warning("rollout engine %d: %s; restarting it (restart %d of at most %d)", i, why, n,
+                            rollout.max_engine_restarts)
+                try:
+                    ray.kill(self.a.engines[i])  # its server's process group ends with it (the reaper)
+                except Exception:  # noqa: BLE001  (already gone)
+                    pass
+                self.a.engines[i] = self.start_engine(i, n)
+            else:
+                log.warning("rollout engine %d (not started by this run): %s; waiting for it to answer", i, why)
+                self._wait_for(i)
+        self._reconnect()
+        ray.get([w.replace_engine.remote(i, self.a.engines[i]) for w in self.a.workers for i in lost])
+        with self._lock:
+            for i in lost:
+                self._generation[i] += 1
+                self._misses[i] = 0
+                self._not_before[i] = time.monotonic() + self.health.first_wait_s
+
+    def _wait_for(self, i: int) -> None:
+        deadline = time.monotonic() + self.recipe.deadlines.batch_s
+        while time.monotonic() < deadline:
+            try:
+                if ray.get(self.a.engines[i].health.remote(self.health.timeout_s), timeout=self.health.timeout_s + 5) is None:
+                    return
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+                pass
+            time.sleep(self.health.interval_s / 2)
+        raise ActorLost(f"rollout engine {i} (attached, not started by this run) did not answer again within "
+                        f"deadlines.batch_s={self.recipe.deadlines.batch_s:g} s; restart its server")
+
+    def _reconnect(self) -> None:
+        """A new weight group with every engine (a lost member breaks a collective), then the trainer's
+        current weights into all of them, at its version."""
+        rollout, a = self.recipe.rollout, self.a
+        version = ray.get(a.trainer.version.remote())
+        if rollout.weight_sync == "broadcast":
+            connect_broadcast(a.engines, a.trainer, rollout.sync_backend)
+        publish_weights(a.engines, a.trainer, version, rollout.weight_sync, self.recipe.deadlines.weight_sync_s)
+
+    def _recover_worker(self, i: int, why: str) -> None:
+        n = self._count("worker", self.recipe.failures.max_worker_restarts, "failures.max_worker_restarts",
+                        f"env worker {i}", why)
+        log.warning("env worker %d: %s; restarting it (restart %d)", i, why, n)
+        self.a.workers[i] = self.start_worker(i)
+        requeued = ray.get(self.a.buffer.requeue.remote(None, i))
+        log.warning("env worker %d restarted; %d running groups re-queued", i, requeued)
+        if self.producing:
+            self.producing[i] = self.a.workers[i].produce.remote()
+
+    def restart_scorer(self, why: str) -> None:
+        """The scorer died under a call: start another (the loop then scores the batch again)."""
+        if self.start_scorer is None:
+            raise RuntimeError("restart_scorer without a scorer")
+        n = self._count("scorer", self.recipe.failures.max_worker_restarts, "failures.max_worker_restarts",
+                        "the scorer", why)
+        log.warning("scorer: %s; restarting it (restart %d)", why, n)
+        self.a.scorer = self.start_scorer()
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/engine_restarts": float(self.restarts["engine"]),
+                "env/worker_restarts": float(self.restarts["worker"] + self.restarts["scorer"]),
+                "perf/recover_s": float(sum(self.recover_s))}

@@ -1,0 +1,51 @@
+"""Groups cut short by a lost engine or a dead env worker go back to the head of the buffer's queue
+under their ids, their slots released and no fate counted (pure logic: the buffer actor's class run
+in this process, no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from factory.recipe import Recipe
+from factory.runtime.actors import BufferActor
+from factory.types import Task
+
+
+def buffer_actor(groups_per_step: int = 2, max_staleness: int = 1):
+    recipe = Recipe.model_validate({"train": {"groups_per_step": groups_per_step},
+                                    "async": {"max_staleness": max_staleness}})
+    tasks = [Task(task_id=f"t{i}", family="basic_arithmetic", question=f"{i}+1", answer=str(i + 1)) for i in range(50)]
+    cls = BufferActor.__ray_metadata__.modified_class  # the actor's own class, run here without Ray
+    return cls("r", tasks, recipe.async_, recipe.train, recipe.algorithm, recipe.failures)
+
+
+def test_requeued_groups_start_again_first_under_their_ids_with_no_fate():
+    async def go():
+        b = buffer_actor()
+        first = [await b.acquire(owner=0), await b.acquire(owner=1), await b.acquire(owner=0)]
+        running = b.buffer.running
+        assert await b.requeue(None, owner=0) == 2  # the dead worker 0's two groups
+        assert b.buffer.running == running - 2 and b.buffer.failed == 0
+        again = [await b.acquire(owner=1), await b.acquire(owner=1)]
+        assert again == [first[0], first[2]]  # in their start order, ids and tasks unchanged
+        assert b.metrics()["buffer/requeued_groups"] == 2
+        # a group re-queued by its engine's loss, then finished by nobody: one fate once it runs again
+        assert await b.requeue([first[1][0]]) == 1
+        assert await b.requeue([first[1][0]]) == 0  # not running any more: nothing to re-queue
+        gid, task = await b.acquire(owner=1)
+        assert gid == first[1][0]
+        return b
+
+    asyncio.run(go())
+
+
+def test_a_finish_after_its_group_was_requeued_is_ignored():
+    async def go():
+        b = buffer_actor()
+        gid, _ = await b.acquire(owner=0)
+        await b.requeue(None, owner=0)
+        group_failed_late = await b.finish(None, 1.0, failure=None, group_id=gid)  # the old worker's last word
+        assert group_failed_late == "requeued" and b.buffer.failed == 0
+        assert (await b.acquire(owner=1))[0] == gid
+
+    asyncio.run(go())
