@@ -266,6 +266,27 @@ class WeightReceiver:
         return received
 
 
+def repack_shared_weights(model: torch.nn.Module) -> int:
+    """After an in-place reload, re-pack the layers that share a weight with another; returns how many.
+
+    Why: vLLM-CPU keeps a packed copy of each linear weight for its kernels, and a reload re-packs only
+    the layers it loaded weights into. A tied output layer is loaded under no name of its own (its
+    weight is the embedding's), so it would go on computing logits from the old weights."""
+    users: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            users.setdefault(id(weight), []).append(module)
+    repacked = 0
+    for modules in users.values():
+        for module in modules if len(modules) > 1 else []:
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+                repacked += 1
+    return repacked
+
+
 class WeightReceiverExtension:
     """Mixed into vLLM's worker class; runs in the worker process next to the model."""
 
@@ -284,7 +305,13 @@ class WeightReceiverExtension:
         received = self._factory_receiver.receive()
         t1 = time.perf_counter()
         self.model_runner.reload_weights(weights_iterator=iter(received))
+        repack_shared_weights(self.model_runner.get_model())
         return json.dumps({"tensors": len(received), "receive_s": t1 - t0, "load_s": time.perf_counter() - t1})
+
+    def reload_weights_from(self, path: str) -> str:
+        """vLLM's reload from a saved model dir (the disk sync), tied layers re-packed too."""
+        self.model_runner.reload_weights(weights_path=path)
+        return str(repack_shared_weights(self.model_runner.get_model()))
 
     def weight_checksum(self, name: str) -> str:
         """Sum of one parameter as the worker holds it (tests use it to see an update landed)."""

@@ -418,7 +418,7 @@ class VLLMEngine(ServerClient):
         self.stats["receive_rpc_s"] += time.perf_counter() - t0
 
     async def load_from_disk(self, path: str) -> None:
-        await self._rpc("reload_weights", weights_path=path)
+        await self._rpc("reload_weights_from", path)
 
     async def load_lora(self, path: str, name: str = "policy-lora") -> None:
         """Load (or replace in place) the trained LoRA adapter; requests then go to it by name.
