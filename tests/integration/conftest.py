@@ -1,9 +1,11 @@
 """Session-wide real stack for integration tests: one tiny warm-started policy, one local Ray,
-one vLLM server (as an EngineActor) shared by every test that needs an engine."""
+one vLLM server (as an EngineActor) shared by every test that needs an engine. The Qwen2-style
+policy (recipes/qwen2_tiny.yaml) has its own server, for the module that tests it."""
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,11 @@ TEST_OVERRIDES = [
 
 def small_recipe(*extra: str):
     return load_recipe(REPO / "recipes" / "default.yaml", TEST_OVERRIDES + list(extra))
+
+
+def qwen2_recipe(*extra: str):
+    """recipes/qwen2_tiny.yaml at the same small size (warm start, batch shape) as `small_recipe`."""
+    return load_recipe(REPO / "recipes" / "qwen2_tiny.yaml", TEST_OVERRIDES + list(extra))
 
 
 @pytest.fixture(scope="session")
@@ -44,18 +51,40 @@ def ray_cluster():
         yield
 
 
-@pytest.fixture(scope="session")
-def engine(ray_cluster, recipe, policy, tmp_path_factory):
-    """One vLLM server for the session, behind the same actor the run loop uses."""
+@contextmanager
+def served(policy, rollout, log: Path):
+    """A vLLM server for `policy`, behind the same actor the run loop uses."""
     import ray
 
     from factory.runtime.actors import EngineActor
 
-    log = tmp_path_factory.mktemp("engine") / "vllm.log"
-    actor = EngineActor.remote("vllm", str(policy), recipe.rollout, str(log))
+    actor = EngineActor.remote("vllm", str(policy), rollout, str(log))
     ray.get(actor.start.remote())
-    yield actor
-    ray.get(actor.stop.remote())
+    try:
+        yield actor
+    finally:
+        ray.get(actor.stop.remote())
+
+
+@pytest.fixture(scope="session")
+def engine(ray_cluster, recipe, policy, tmp_path_factory):
+    """One vLLM server for the session."""
+    with served(policy, recipe.rollout, tmp_path_factory.mktemp("engine") / "vllm.log") as actor:
+        yield actor
+
+
+@pytest.fixture(scope="session")
+def qwen2_policy():
+    from factory.model.sft import ensure_base_policy
+
+    return ensure_base_policy(qwen2_recipe())
+
+
+@pytest.fixture(scope="module")
+def qwen2_engine(ray_cluster, qwen2_policy, tmp_path_factory):
+    """The Qwen2-style policy's server, stopped after the module that uses it (~4 GB beside the session's)."""
+    with served(qwen2_policy, qwen2_recipe().rollout, tmp_path_factory.mktemp("qwen2-engine") / "vllm.log") as actor:
+        yield actor
 
 
 @pytest.fixture(autouse=True, scope="session")
