@@ -156,6 +156,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
                               results.get("before")) from err
         finally:
             sup.stop()
+            sup.sync = sync.poll = None  # no cycle keeps the handles alive past the run
         clock.stop()
 
         phase("stopping rollouts")
@@ -166,6 +167,8 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         ray.get([w.close.remote() for w in a.workers])
         if a.own_engines:
             ray.get([e.stop.remote() for e in a.engines])
+        for actor in created:  # the run's own actors end with it (not when Python collects their handles)
+            ray.kill(actor)
     return _summary(results, recipe, clock, time.time() - t_start)
 
 
