@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from results_file import write_results  # noqa: E402
 
-KINDS = ("engine_kill", "engine_stop", "worker_kill", "trainer_kill")
+KINDS = ("engine_kill", "worker_kill", "engine_stop", "trainer_kill")  # each run meets two different kinds
 OVERRIDES = ["model.sft_steps=120", "data.train_size=2000", "data.heldout_size=300", "train.groups_per_step=4",
              "rollout.group_size=4", "train.checkpoint_every=2", "eval.before=false", "eval.after=false",
              "train.threads=1", "rollout.health.interval_s=2", "rollout.health.timeout_s=3",
@@ -84,12 +84,15 @@ def one_run(recipe, run_dir: Path, faults: list[tuple[int, float, str]]) -> dict
     pending = sorted(faults)
     injected: list[dict] = []
     lock = threading.Lock()
+    done = threading.Event()
 
     def fire(kind: str, step: int) -> None:
-        hit = target(kind)
+        deadline = time.monotonic() + 120  # its process may be restarting after the fault before: wait for it
+        while (hit := target(kind)) is None and time.monotonic() < deadline and not done.is_set():
+            time.sleep(2)
         with lock:
             if hit is None:
-                injected.append({"kind": kind, "after_step": step, "skipped": "no such process at that moment"})
+                injected.append({"kind": kind, "after_step": step, "skipped": "no such process within 120 s"})
                 return
             os.kill(*hit)
             injected.append({"kind": kind, "after_step": step, "t": time.monotonic(), "recovered_s": None})
@@ -112,6 +115,7 @@ def one_run(recipe, run_dir: Path, faults: list[tuple[int, float, str]]) -> dict
     except Exception as err:  # noqa: BLE001  (a run that did not finish is the measurement)
         error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         traceback.print_exc()
+    done.set()
     rows = sql(f"SELECT group_id, sample_id FROM samples WHERE run_id = '{run_dir.name}' "
                "AND status <> 'evaluation'").to_pylist()
     prefix = f"{recipe.name}-g"
