@@ -74,3 +74,49 @@ def pytest_unconfigure(config):
 
 
 _STATE = pytest.StashKey[tuple]()
+
+
+# ---- one SGLang server per session (issue 26) ---------------------------------------------------
+# Starting SGLang costs ~25-40 s here; its tests (tests/rollout/test_sglang.py, the runs in
+# tests/integration/test_sglang_run.py) share one server, behind the EngineActor a run uses: runs take
+# it as `engines=[sglang_engine]`, the engine tests send requests to its url through clients of their own.
+
+
+def require_sglang() -> str:
+    """SGLang's python, or a failure naming the set-up script (CI builds the venv: no skip)."""
+    import subprocess
+
+    from factory.rollout.sglang import VENV_HINT, sglang_python
+
+    python = sglang_python()
+    probe = subprocess.run([python, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.fail(f"no SGLang to test against ({python} cannot import sglang): {VENV_HINT}", pytrace=False)
+    return python
+
+
+@pytest.fixture(scope="session")
+def sglang_engine(tmp_path_factory):
+    """The session's SGLang server (the tiny test policy, a 1 GB KV pool) behind an EngineActor, in
+    the session's local Ray (started here unless a fixture already did)."""
+    import time
+
+    import ray
+
+    from factory.model.sft import ensure_base_policy
+    from factory.runtime.actors import EngineActor
+    from factory.runtime.cluster import local_ray
+    from tests.integration.conftest import small_recipe
+
+    require_sglang()
+    recipe = small_recipe("rollout.engine=sglang", "rollout.kv_cache_gb=1")
+    policy = ensure_base_policy(recipe)
+    with local_ray():
+        log = tmp_path_factory.mktemp("sglang") / "server.log"
+        actor = EngineActor.remote("sglang", str(policy), recipe.rollout, str(log))
+        t0 = time.perf_counter()
+        ray.get(actor.start.remote())
+        print(f"SGLang server ready in {time.perf_counter() - t0:.1f} s")
+        yield actor
+        ray.get(actor.stop.remote())

@@ -12,15 +12,17 @@ Which python runs the server: `$FACTORY_SGLANG_PYTHON`, else the state dir's `sg
 
 Endpoints used: `/generate` (prompt token ids in, sampled ids + per-token logprobs + per-token
 weight-version spans out), `/abort_request`, `/pause_generation` + `/continue_generation` around a
-weight swap, `/update_weights_from_disk`, `/update_weight_version`, `/flush_cache`, and for
+weight swap, `/update_weights_from_disk`, `/update_weight_version`, `/flush_cache` (with `timeout`:
+SGLang defers it until its scheduler is idle), and for
 broadcast `/begin_weight_update` + `/update_weights_from_tensor` + `/end_weight_update` with our
 custom weight loaders (factory/rollout/sglang_receiver.py).
 
-What happens to requests in flight at a weight update is the recipe's `rollout.partial_rollout`,
-each on SGLang's own `/pause_generation` modes:
+What happens to requests in flight at a weight update is the recipe's `rollout.partial_rollout`
+(`abort_resume` and `inflight` on SGLang's own `/pause_generation` modes):
 
-- `wait`: stop admitting, let in-flight requests finish, pause (`in_place`), swap, flush the prefix
-  cache, resume. One version per request.
+- `wait`: stop admitting, let in-flight requests finish, swap, flush the prefix cache once SGLang's
+  scheduler has retired the finished requests, reopen. One version per request. No
+  `/pause_generation`: drained, the server holds no request of ours (see `begin_update`).
 - `abort_resume`: stop admitting, pause with `abort` (running requests come back with the tokens
   sampled so far), swap, resume, and send prompt + those tokens back for the rest of the budget.
   The old tokens keep the old version and logprobs; the new ones carry the new version.
@@ -165,6 +167,7 @@ def _call_payload(args: dict) -> str:
 
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+FLUSH_IDLE_S = 60.0  # how long a flush after an update waits for SGLang's scheduler to become idle
 
 
 class SGLangEngine(ServerClient):
@@ -198,6 +201,7 @@ class SGLangEngine(ServerClient):
         self._inflight_ids: set[str] = set()
         self._batcher = Batcher(self._flush, coalesce_ms / 1000.0, max_batch)
         self._flushing: set[asyncio.Task] = set()  # continuations of requests an update cut off
+        self._paused = False  # SGLang paused by begin_update (abort_resume, inflight): end_update resumes it
         self._batches = 0
         self.stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "aborted": 0, "resumed": 0,
                       "mixed_version": 0, "prefix_reset_skipped": 0}
@@ -350,9 +354,11 @@ class SGLangEngine(ServerClient):
         return data
 
     async def begin_update(self) -> None:
-        """Pause SGLang's scheduler for a weight swap; what happens to requests in flight is
-        `partial_rollout` (module docstring). Requests sent while it is paused wait in the server."""
+        """Make way for a weight swap; what happens to requests in flight is `partial_rollout` (module
+        docstring): `wait` drains them at our gate, the others pause SGLang (requests sent meanwhile
+        wait in the server)."""
         self._update_t0 = time.perf_counter()
+        self._paused = self.partial != "wait"
         if self.partial == "inflight":
             # running requests go back to the waiting queue without their KV: after the swap they are
             # recomputed under the new weights and carry on; the prefix cache can be flushed
@@ -363,8 +369,12 @@ class SGLangEngine(ServerClient):
             # finish "abort") and returns once none is left in its scheduler; _flush continues them
             await self._post("/pause_generation", {"mode": "abort"})
         else:
+            # Drained at our gate, SGLang holds no request of ours, so its scheduler is not paused: an
+            # `in_place` pause sent right behind the drain (η ≥ 1 drains while generating) froze requests
+            # it had answered but not yet retired from its running batch (it does that at its next
+            # iteration), so /flush_cache was refused ("#running-req: 8"), the update failed before
+            # /continue_generation and the paused server hung until its watchdog killed it (issue 24)
             await self.gate.close_and_drain()
-            await self._post("/pause_generation", {"mode": "in_place"})
 
     async def load_from_disk(self, path: str) -> None:
         """Load the weights saved at `path` (a model directory on this engine's node)."""
@@ -394,18 +404,26 @@ class SGLangEngine(ServerClient):
     async def end_update(self, version: int) -> None:
         """Label the new weights, drop the prefix cache the old ones computed, resume, reopen."""
         await self._post("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
-        if self.partial == "wait":
-            await self._flush_cache()  # drained: nothing holds the cache, so a refusal is an error
-        elif (await self.client.post("/flush_cache")).status_code != 200:
-            self.stats["prefix_reset_skipped"] += 1  # refused while requests hold KV (not seen with retract)
-        await self._post("/continue_generation", {})
+        if self.partial == "inflight":
+            # paused after retract: the running batch is empty, the retracted requests wait without KV
+            if (await self.client.post("/flush_cache")).status_code != 200:
+                self.stats["prefix_reset_skipped"] += 1  # refused while requests hold KV (not seen with retract)
+        else:
+            await self._flush_when_idle()
+        if self._paused:
+            await self._post("/continue_generation", {})
         self.version = version
         self.stats["updates"] += 1
         self.stats["update_s"] += time.perf_counter() - getattr(self, "_update_t0", time.perf_counter())
         self.gate.open()
 
-    async def _flush_cache(self) -> None:
-        resp = await self.client.post("/flush_cache")
+    async def _flush_when_idle(self) -> None:
+        """Flush the prefix cache once SGLang's scheduler is idle (`wait`, `abort_resume`: our gate is closed
+        and drained or aborted). Idle means it has also retired the requests it already answered, one
+        scheduler iteration after their last token; an immediate flush in between is refused. Not idle
+        within FLUSH_IDLE_S means a request is really running there: an error (its prefix cache would
+        keep the old weights' KV)."""
+        resp = await self.client.post("/flush_cache", params={"timeout": FLUSH_IDLE_S}, timeout=FLUSH_IDLE_S + 30)
         if resp.status_code != 200:
             raise RuntimeError(f"SGLang refused to flush its prefix cache after a weight update: {resp.text[:300]}")
 

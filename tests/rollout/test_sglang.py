@@ -1,4 +1,6 @@
-"""The SGLang engine against a REAL SGLang server (started once for this module) on the tiny model.
+"""The SGLang engine against a REAL SGLang server on the tiny model: the session's (tests/conftest.py
+`sglang_engine`, shared with the runs of tests/integration/test_sglang_run.py), through clients of
+these tests' own.
 
 On CPU the server runs from the separate venv `infra/sglang-venv.sh` builds, with a stand-in
 `sgl_kernel` (a test set-up: SGLang's CPU kernels are on no registry; see factory/rollout/sglang.py).
@@ -8,30 +10,21 @@ Without that venv these tests FAIL (CI builds it), they do not skip.
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from factory.rollout.engine import SamplingParams
 from factory.rollout.server import EngineStartError
-from factory.rollout.sglang import VENV_HINT, SGLangEngine, SGLangServer, sglang_python
+from factory.rollout.sglang import SGLangEngine, SGLangServer
 
 pytestmark = pytest.mark.integration
 
 LOGPROB_TOL = 0.05  # bf16 serving vs an fp32 transformers forward (measured max ~0.01 here)
 SAMPLED_TOL = 0.1  # the same for single tokens sampled at temperature 1 from perturbed weights
 QUESTIONS = ["Calculate 12 + 34.", "Calculate 7 + 58.", "Calculate 90 + 9.", "Calculate 3 + 4."]
-
-
-def _require_sglang() -> str:
-    python = sglang_python()
-    probe = subprocess.run([python, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)"],
-                           capture_output=True)
-    if probe.returncode != 0:
-        pytest.fail(f"no SGLang to test against ({python} cannot import sglang): {VENV_HINT}", pytrace=False)
-    return python
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +36,20 @@ def policy():
 
 
 @pytest.fixture(scope="module")
-def server(policy, tmp_path_factory):
-    _require_sglang()
-    srv = SGLangServer(policy, kv_cache_gb=0.25, threads=2, log_path=tmp_path_factory.mktemp("sglang") / "server.log")
-    t0 = time.perf_counter()
-    srv.start(timeout_s=300)
-    print(f"SGLang server ready in {time.perf_counter() - t0:.1f} s")
-    yield srv
-    srv.stop()
+def server(sglang_engine, policy):
+    """The session's SGLang server (what an engine client needs of it: its url), back on the policy's
+    weights: a run before this module leaves its trained ones there."""
+    import ray
+
+    srv = SimpleNamespace(url=ray.get(sglang_engine.url.remote()))
+
+    async def restore(engine):
+        await engine.begin_update()
+        await engine.load_from_disk(policy)
+        await engine.end_update(0)
+
+    run(restore, srv, policy)
+    return srv
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +148,7 @@ def test_update_drains_in_flight_requests_and_holds_new_ones(server, policy, pro
         first = asyncio.create_task(engine.generate(prompts[0], long, "in-flight"))
         await asyncio.sleep(0.2)
         await engine.begin_update()
+        await asyncio.sleep(0)  # its answer is in: the request's own task completes on the loop's next turn
         drained = first.done()  # begin_update returns only once the request has finished
         late = asyncio.create_task(engine.generate(prompts[1], GREEDY, "late"))
         await asyncio.sleep(0.3)
@@ -298,11 +298,43 @@ def test_broadcast_from_the_trainer_side_of_factory_weightsync(server, policy, p
     assert _logprob_gaps(after, prompts, old_model) > 10 * LOGPROB_TOL
 
 
+def test_sglang_answers_requests_before_it_retires_them(server, policy, prompts):
+    """Why a `wait` update neither pauses SGLang nor flushes its prefix cache at once (issue 24): SGLang
+    answers a request at its last token but retires it from its running batch only at its next
+    scheduler iteration. A pause that lands in between (certain here: every forward sleeps 1 s and
+    the pause is sent during the last one; at η = 1 it was the drain's answer racing the scheduler)
+    freezes it there, and /flush_cache is refused (what hung the server); resumed, the scheduler
+    retires it and a flush with `timeout`, which SGLang defers until it is idle, succeeds."""
+    two = SamplingParams(max_new_tokens=2, min_new_tokens=2, temperature=1.0)
+
+    async def scenario(engine):
+        post = engine.client.post
+        await post("/slow_down", json={"forward_sleep_time": 1.0})
+        try:
+            task = asyncio.create_task(engine.generate(prompts[0], two, "answered"))
+            await asyncio.sleep(1.5)  # the prefill took ~1 s; the decode step that finishes it is sleeping
+            paused = await post("/pause_generation", json={"mode": "in_place"})
+            gen = await asyncio.wait_for(task, 30)
+            refused = await post("/flush_cache")
+            await post("/continue_generation", json={})
+            deferred = await post("/flush_cache", params={"timeout": 30})
+        finally:
+            await post("/slow_down", json={"forward_sleep_time": None})
+            await post("/continue_generation", json={})
+        return paused.status_code, gen, refused, deferred.status_code
+
+    paused, gen, refused, deferred = run(scenario, server, policy)
+    assert paused == 200 and len(gen.token_ids) == 2
+    assert refused.status_code == 400, refused.text  # the answered request still counts as running
+    assert deferred == 200
+
+
 def test_abort_returns_what_was_sampled(server, policy, prompts):
-    """Last of the tests on the shared server: once, on a machine loaded far past its 2 cores, SGLang's
-    CPU scheduler kept an aborted request in its running batch and spun on it until its 300 s
-    watchdog killed the server (the client had its answer: this test passed, the next four failed).
-    Run last, such a hang cannot take the other tests on this server down with it."""
+    """Last of the tests on the shared server (in the suite's order, after tests/integration): once, on a
+    machine loaded far past its 2 cores, SGLang's CPU scheduler kept an aborted request in its running
+    batch and spun on it until its 300 s watchdog killed the server (the client had its answer: this
+    test passed, the next four failed). Run last, such a hang cannot take the other tests on this
+    server down with it."""
     long = SamplingParams(max_new_tokens=200, min_new_tokens=200, temperature=1.0)
 
     async def scenario(engine):
