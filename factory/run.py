@@ -255,14 +255,14 @@ def _restore(a: Actors, recipe: Recipe, resume_from: Path | None) -> int:
     return version
 
 
-def _env_worker(a: Actors, recipe: Recipe, i: int):
+def _env_worker(a: Actors, recipe: Recipe, owner: str):
     return placed(EnvWorkerActor, recipe.placement.env_worker).remote(
-        a.policy, recipe.environment, recipe.rollout, a.engines, a.buffer, recipe.failures, recipe.deadlines, i)
+        a.policy, recipe.environment, recipe.rollout, a.engines, a.buffer, recipe.failures, recipe.deadlines, owner)
 
 
 def _start_env_workers(a: Actors, recipe: Recipe, created) -> None:
     """The env workers, each with its gateway serving (they produce once training starts)."""
-    a.workers = [_env_worker(a, recipe, i) for i in range(recipe.environment.workers)]
+    a.workers = [_env_worker(a, recipe, f"w{i}") for i in range(recipe.environment.workers)]
     created.extend(a.workers)
     ray.get([w.start.remote() for w in a.workers])
 
@@ -277,8 +277,8 @@ def _supervisor(a: Actors, recipe: Recipe, run_dir: Path, created) -> Supervisor
         ray.get(new.start.remote(), timeout=startup_s)
         return new
 
-    def worker(i: int):
-        new = _env_worker(a, recipe, i)
+    def worker(owner: str):
+        new = _env_worker(a, recipe, owner)
         created.append(new)
         ray.get(new.start.remote(), timeout=startup_s)
         return new

@@ -22,17 +22,17 @@ def buffer_actor(groups_per_step: int = 2, max_staleness: int = 1):
 def test_requeued_groups_start_again_first_under_their_ids_with_no_fate():
     async def go():
         b = buffer_actor()
-        first = [await b.acquire(owner=0), await b.acquire(owner=1), await b.acquire(owner=0)]
+        first = [await b.acquire(owner="w0"), await b.acquire(owner="w1"), await b.acquire(owner="w0")]
         running = b.buffer.running
-        assert await b.requeue(None, owner=0) == 2  # the dead worker 0's two groups
+        assert await b.requeue(None, owner="w0") == 2  # the dead worker 0's two groups
         assert b.buffer.running == running - 2 and b.buffer.failed == 0
-        again = [await b.acquire(owner=1), await b.acquire(owner=1)]
+        again = [await b.acquire(owner="w1"), await b.acquire(owner="w1")]
         assert again == [first[0], first[2]]  # in their start order, ids and tasks unchanged
         assert b.metrics()["buffer/requeued_groups"] == 2
         # a group re-queued by its engine's loss, then finished by nobody: one fate once it runs again
         assert await b.requeue([first[1][0]]) == 1
         assert await b.requeue([first[1][0]]) == 0  # not running any more: nothing to re-queue
-        gid, task = await b.acquire(owner=1)
+        gid, task = await b.acquire(owner="w1")
         assert gid == first[1][0]
         return b
 
@@ -42,10 +42,26 @@ def test_requeued_groups_start_again_first_under_their_ids_with_no_fate():
 def test_a_finish_after_its_group_was_requeued_is_ignored():
     async def go():
         b = buffer_actor()
-        gid, _ = await b.acquire(owner=0)
-        await b.requeue(None, owner=0)
+        gid, _ = await b.acquire(owner="w0")
+        await b.requeue(None, owner="w0")
         group_failed_late = await b.finish(None, 1.0, failure=None, group_id=gid)  # the old worker's last word
         assert group_failed_late == "requeued" and b.buffer.failed == 0
-        assert (await b.acquire(owner=1))[0] == gid
+        assert (await b.acquire(owner="w1"))[0] == gid
+
+    asyncio.run(go())
+
+
+def test_a_dead_workers_waiting_acquire_gets_no_group():
+    """The dead worker's call for a group that was still waiting for capacity when it died ends with
+    nothing, instead of taking a group no one would ever run."""
+    async def go():
+        b = buffer_actor(groups_per_step=1, max_staleness=0)
+        held = [await b.acquire(owner="w0") for _ in range(b.buffer.capacity())]
+        waiting = asyncio.ensure_future(b.acquire(owner="w0"))  # no capacity: it waits
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        assert await b.requeue(None, owner="w0") == len(held)  # w0 died; its groups go back
+        assert await waiting is None
+        assert (await b.acquire(owner="w0.1"))[0] == held[0][0]  # its replacement runs them
 
     asyncio.run(go())

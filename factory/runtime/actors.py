@@ -298,7 +298,8 @@ class BufferActor(Placed):
                           if async_.schedule == "longest_first" else None)
         self.next_group = 0
         self.inflight: dict[str, Task] = {}  # started, not finished: group id -> task (in start order)
-        self.owners: dict[str, int] = {}  # group id -> the env worker running it
+        self.owners: dict[str, str] = {}  # group id -> the env worker (incarnation) running it
+        self.retired: set[str] = set()  # env workers declared dead: a call of theirs still waiting gets nothing
         self.requeued = 0
         self.restart: collections.deque[tuple[str, Task]] = collections.deque()  # a resumed run's in-flight groups
         self.changed = asyncio.Condition()
@@ -309,11 +310,13 @@ class BufferActor(Placed):
         async with self.changed:
             self.changed.notify_all()
 
-    async def acquire(self, owner: int = 0) -> tuple[str, Task] | None:
-        """Wait for capacity; returns (group id, task) or None once stopped. `owner`: the env worker's index."""
+    async def acquire(self, owner: str = "w0") -> tuple[str, Task] | None:
+        """Wait for capacity; returns (group id, task) or None once stopped. `owner`: the env worker's
+        token (one per incarnation); a dead worker's call that was still waiting gets None, not a group
+        nobody would run (seen: bench/chaos.py lost one that way)."""
         async with self.changed:
-            await self.changed.wait_for(lambda: self.stopped or self.buffer.capacity() > 0)
-            if self.stopped:
+            await self.changed.wait_for(lambda: self.stopped or owner in self.retired or self.buffer.capacity() > 0)
+            if self.stopped or owner in self.retired:
                 return None
             self.buffer.start()
             if self.restart:  # groups in flight at the checkpoint go first, under their own ids
@@ -325,10 +328,12 @@ class BufferActor(Placed):
             self.owners[group_id] = owner
             return group_id, task
 
-    async def requeue(self, group_ids: list[str] | None = None, owner: int | None = None) -> int:
+    async def requeue(self, group_ids: list[str] | None = None, owner: str | None = None) -> int:
         """Put running groups back at the head of the queue under their own ids, their slots released and
         no fate recorded: the groups `group_ids` (cut short by a lost engine), or every group the env
-        worker `owner` ran (it died). Returns how many."""
+        worker `owner` ran (it died; it gets no group from now on). Returns how many."""
+        if owner is not None:
+            self.retired.add(owner)
         ids = group_ids if group_ids is not None else [g for g, o in self.owners.items() if o == owner]
         back = [(g, self.inflight.pop(g)) for g in ids if g in self.inflight]
         for g, _ in back:
@@ -425,7 +430,7 @@ class EnvWorkerActor(Placed):
     `model`: a DirBundle or a path on this node (the tokenizer is read from it)."""
 
     def __init__(self, model: str | DirBundle, environment, rollout, engines: list, buffer, failures=None,
-                 deadlines=None, index: int = 0):
+                 deadlines=None, owner: str = "w0"):
         from transformers import AutoTokenizer
 
         from factory.envs.base import make_environment
@@ -443,7 +448,7 @@ class EnvWorkerActor(Placed):
         deadlines = deadlines or DeadlinesSection()
         self.engines = [RemoteEngine(e, deadlines.engine_call_s) for e in engines]
         self.gateway = Gateway(tokenizer, self.engines, defaults, seed=rollout.seed)
-        self.index = index  # which of the run's env workers: the buffer knows its groups by it
+        self.owner = owner  # this worker's token: the buffer knows its groups by it
         self.env = make_environment(environment)
         sampling = {"temperature": rollout.temperature, "max_tokens": rollout.max_new_tokens}
         self.runner = EpisodeRunner(self.gateway, self.env, sampling, rollout.group_size)
@@ -476,7 +481,7 @@ class EnvWorkerActor(Placed):
         """Start groups whenever the buffer admits one, until `stop_producing`."""
         self.producing = True
         while self.producing:
-            ticket = await self.buffer.acquire.remote(self.index)
+            ticket = await self.buffer.acquire.remote(self.owner)
             if ticket is None:
                 break
             t = asyncio.create_task(self._group(*ticket))

@@ -47,11 +47,11 @@ class EngineLostDuringSync(Exception):
 class Supervisor:
     """Watches the run's actors `a` (run.Actors; its lists are updated in place on a restart).
 
-    `start_engine(i, attempt)`, `start_worker(i)`, `start_scorer()`: start a replacement and return
+    `start_engine(i, attempt)`, `start_worker(owner token)`, `start_scorer()`: start a replacement and return
     its handle once it serves. `sync`: the run's WeightPublisher (its pending update is abandoned when
     an engine is lost). `restartable`: whether the engines are the run's own (else waited for)."""
 
-    def __init__(self, a, recipe, *, start_engine: Callable[[int, int], Any], start_worker: Callable[[int], Any],
+    def __init__(self, a, recipe, *, start_engine: Callable[[int, int], Any], start_worker: Callable[[str], Any],
                  start_scorer: Callable[[], Any] | None, restartable: bool, sync=None):
         self.a, self.recipe = a, recipe
         self.health = recipe.rollout.health
@@ -64,6 +64,7 @@ class Supervisor:
         self._lost_engines: dict[int, str] = {}
         self._lost_workers: dict[int, str] = {}
         self._replacing: set[int] = set()  # env workers being replaced (not probed meanwhile)
+        self._owners = [f"w{i}" for i in range(len(a.workers))]  # each worker incarnation's token for the buffer
         self._lock = threading.Lock()
         n = len(a.engines)
         self._misses = [0] * n
@@ -145,12 +146,12 @@ class Supervisor:
         if not engines and not workers:
             return False
         t0 = time.perf_counter()
-        if engines:
-            self._recover_engines(engines)
-        for i, why in sorted(workers.items()):
+        for i, why in sorted(workers.items()):  # first: an engine's replacement is then handed to live workers
             self._recover_worker(i, why)
         with self._lock:
             self._replacing = set()
+        if engines:
+            self._recover_engines(engines)
         self.recover_s.append(time.perf_counter() - t0)
         return True
 
@@ -198,7 +199,11 @@ class Supervisor:
                 log.warning("rollout engine %d (not started by this run): %s; waiting for it to answer", i, why)
                 self._wait_for(i)
         self._reconnect()
-        ray.get([w.replace_engine.remote(i, self.a.engines[i]) for w in self.a.workers for i in lost])
+        for ref in [w.replace_engine.remote(i, self.a.engines[i]) for w in self.a.workers for i in lost]:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:  # a worker died meanwhile: its replacement gets the engines
+                pass
         with self._lock:
             for i in lost:
                 self._generation[i] += 1
@@ -230,8 +235,9 @@ class Supervisor:
         n = self._count("worker", self.recipe.failures.max_worker_restarts, "failures.max_worker_restarts",
                         f"env worker {i}", why)
         log.warning("env worker %d: %s; restarting it (restart %d)", i, why, n)
-        self.a.workers[i] = self.start_worker(i)
-        requeued = ray.get(self.a.buffer.requeue.remote(None, i))
+        dead, self._owners[i] = self._owners[i], f"w{i}.{n}"
+        self.a.workers[i] = self.start_worker(self._owners[i])
+        requeued = ray.get(self.a.buffer.requeue.remote(None, dead))
         log.warning("env worker %d restarted; %d running groups re-queued", i, requeued)
         if self.producing:
             self.producing[i] = self.a.workers[i].produce.remote()
