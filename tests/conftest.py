@@ -16,6 +16,7 @@ def pytest_collection_modifyitems(config, items):
         parts = Path(str(item.fspath)).parts
         if any(d in parts[-3:-1] for d in SERVER_DIRS):
             item.add_marker(pytest.mark.integration)
+    _sglang_users_together(items)
 
 
 # ---- the suite's own state -------------------------------------------------------------------
@@ -118,5 +119,33 @@ def sglang_engine(tmp_path_factory):
         t0 = time.perf_counter()
         ray.get(actor.start.remote())
         print(f"SGLang server ready in {time.perf_counter() - t0:.1f} s")
+        _SGLANG["stop"] = lambda: ray.get(actor.stop.remote())
         yield actor
-        ray.get(actor.stop.remote())
+        _stop_sglang()
+
+
+# SGLang's scheduler polls a core flat out even when idle: the shared server must not outlive its tests.
+# Its users run back to back (collection order), and it stops after the last one, not at session end.
+_SGLANG: dict = {}
+
+
+def _stop_sglang() -> None:
+    stop = _SGLANG.pop("stop", None)
+    if stop is not None:
+        stop()
+
+
+def _sglang_users_together(items) -> None:
+    users = [item for item in items if "sglang_engine" in getattr(item, "fixturenames", ())]
+    if not users:
+        return
+    ids = {id(item) for item in users}
+    first = next(i for i, item in enumerate(items) if id(item) in ids)
+    rest = [item for item in items if id(item) not in ids]
+    items[:] = rest[:first] + users + rest[first:]
+    _SGLANG["last"] = users[-1].nodeid
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if item.nodeid == _SGLANG.get("last"):
+        _stop_sglang()
