@@ -188,9 +188,12 @@ class Actors:
     own_engines: bool
     policy: object  # the base policy's DirBundle in the object store (env workers read the tokenizer from it)
 
+    def trainer_ranks(self) -> list:
+        return getattr(self.trainer, "ranks", [self.trainer])  # a TrainerGroup's, or the one trainer
+
     def nodes(self) -> dict:
         """Which node each role landed on."""
-        ranks = getattr(self.trainer, "ranks", [self.trainer])  # a TrainerGroup's, or the one trainer
+        ranks = self.trainer_ranks()
         return {"driver": node_ip(), "trainer": ray.get(self.trainer.node_ip.remote()),
                 "trainer_ranks": ray.get([r.node_ip.remote() for r in ranks]),
                 "buffer": ray.get(self.buffer.node_ip.remote()),
@@ -301,9 +304,8 @@ def _scorer_actor(recipe: Recipe):
 
 
 def _trainer_alive(a: Actors) -> bool:
-    ranks = getattr(a.trainer, "ranks", [a.trainer])
     try:
-        ray.get([r.pid.remote() for r in ranks], timeout=60)
+        ray.get([r.pid.remote() for r in a.trainer_ranks()], timeout=60)
         return True
     except ray.exceptions.RayActorError:
         return False
