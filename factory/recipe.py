@@ -269,6 +269,10 @@ class EnvironmentSection(Section):
     max_turns: int = Field(3, gt=0, description="tool_agent: model calls per episode; a tool call on the "
                            "last one ends the episode unanswered")
     sandbox: SandboxSection = Field(default_factory=SandboxSection)
+    direct: bool = Field(True, description="play environments whose episode is one tool-less call (those with "
+                         "score_reply, e.g. single_turn) in-process: no OpenAI client or HTTP hop, the prompt "
+                         "rendered once per task, the same tokens recorded; false: every call goes through "
+                         "the gateway's OpenAI endpoint")
 
 
 def _registry(module: str, name: str):

@@ -30,6 +30,9 @@ class Environment(Protocol):
     async def run_episode(self, client, model: str, task: Task, sampling: dict[str, Any]) -> EpisodeResult:
         """Play one episode through `client` (an `openai.AsyncOpenAI`) and score it."""
 
+    # Optional: `async score_reply(task, reply_text) -> EpisodeResult`, for an environment whose episode is
+    # one tool-less call with `prompt_messages(task)`: the runner then makes that call in-process, without
+    # the OpenAI client and the HTTP hop (`environment.direct`), and asks only for the score.
     # Optional: `demonstration(task) -> list[dict] | None`, a whole synthetic episode (prompt messages,
     # assistant turns with tool calls, tool results, final answer) whose assistant turns the SFT warm
     # start trains on; None (or no such method) trains on the prompt and the task's answer.

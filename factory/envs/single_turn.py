@@ -44,7 +44,11 @@ class SingleTurnEnvironment:
         reply = await client.chat.completions.create(
             model=model, messages=self.prompt_messages(task), **sampling
         )
+        return await self.score_reply(task, reply.choices[0].message.content)
+
+    async def score_reply(self, task: Task, answer: str) -> EpisodeResult:
+        """The episode's end once the one reply is in. Having it lets the runner play this environment
+        without the OpenAI client (`environment.direct`): it sends `prompt_messages` itself."""
         delay = await self._simulated_latency(task)
-        answer = reply.choices[0].message.content
         reward, info = await score_answer(answer, task, self.sandbox)
         return EpisodeResult(reward=reward, info={"answer": answer, "delay_s": delay, **info})

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from factory.envs.base import EpisodeResult
 from factory.rollout.gateway import Gateway
 from factory.types import Group, Sample, Task
 
@@ -27,11 +28,14 @@ class EvalResult:
 class EpisodeRunner:
     """Plays an environment's episodes against a gateway and turns them into Groups."""
 
-    def __init__(self, gateway: Gateway, env, sampling: dict, group_size: int):
+    def __init__(self, gateway: Gateway, env, sampling: dict, group_size: int, direct: bool = True):
+        """`direct`: play environments that have `score_reply` (one tool-less call) in-process, their
+        prompt rendered once per task; the gateway records the same ids, logprobs and versions."""
         self.gateway = gateway
         self.env = env
         self.sampling = sampling
         self.group_size = group_size
+        self.direct = direct and callable(getattr(env, "score_reply", None))
         # Environments in this process reach the gateway through an in-process ASGI transport:
         # the same OpenAI API and app, without a socket and uvicorn's parsing per call (agents in
         # other processes, e.g. sandboxes, use the loopback URL the gateway also serves).
@@ -46,11 +50,25 @@ class EpisodeRunner:
         return AsyncOpenAI(base_url=f"http://gateway/s/{session_id}/v1", api_key="factory",
                            http_client=self.http, max_retries=0)  # type: ignore[arg-type]
 
-    async def episode(self, session_id: str, task: Task, sampling: dict | None = None):
+    def prompt(self, task: Task) -> tuple[list[dict], list[int]] | None:
+        """A task's opening messages and their token ids, for the direct path (None: not direct)."""
+        if not self.direct:
+            return None
+        messages = self.env.prompt_messages(task)
+        return messages, self.gateway.render(messages)
+
+    async def _play(self, session_id: str, task: Task, sampling: dict, prompt) -> EpisodeResult:
+        if prompt is None:
+            return await self.env.run_episode(self.client_for(session_id), self.gateway.model_name, task, sampling)
+        messages, ids = prompt
+        return await self.env.score_reply(task, await self.gateway.reply(session_id, messages, sampling, ids))
+
+    async def episode(self, session_id: str, task: Task, sampling: dict | None = None, prompt=None):
+        """Play one episode; `prompt`: `self.prompt(task)`, computed once for a group."""
         t0 = time.perf_counter()
+        sampling = sampling if sampling is not None else self.sampling
         try:
-            result = await self.env.run_episode(self.client_for(session_id), self.gateway.model_name, task,
-                                                sampling if sampling is not None else self.sampling)
+            result = await self._play(session_id, task, sampling, prompt or self.prompt(task))
         except Exception:
             self.gateway.drop(session_id)
             self.stats["episode_errors"] += 1
@@ -63,9 +81,11 @@ class EpisodeRunner:
         """G episodes of one task. If any episode raised, the group fails: the first episode's
         exception is raised, with its traceback (the env worker logs it; the buffer counts it)."""
 
+        prompt = self.prompt(task)
+
         async def one(i: int):
             sid = f"{group_id}-{i}"
-            result, seconds = await self.episode(sid, task)
+            result, seconds = await self.episode(sid, task, prompt=prompt)
             sample = self.gateway.finish(
                 sid, sample_id=sid, group_id=group_id, task_id=task.task_id, reward=result.reward,
                 env=self.env.name, info=result.info, timings={"episode_s": seconds},

@@ -10,6 +10,9 @@ uses a stock `openai` client and never learns about sessions. For every chat cal
 
 `finish(session)` turns the record into a `Sample`.
 
+Single-turn environments without tools skip the HTTP hop (`reply`, used by `EpisodeRunner` when
+`environment.direct` is on): the same record, made in-process from prompt ids rendered once per task.
+
 Tool calling (OpenAI `tools=[...]`): a reply whose sampled text holds
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks naming offered tools comes back
 as `message.tool_calls` (finish reason "tool_calls"), any text before the first block as its
@@ -172,11 +175,17 @@ class Gateway:
 
     # ---- token accounting (pure, unit-tested) ------------------------------------------------
 
-    def prompt_ids_for(self, record: SessionRecord, messages: list[dict], tools: list | None = None) -> list[int]:
-        """Token ids for the engine: the session's ids so far plus only the new messages' tokens."""
+    def render(self, messages: list[dict]) -> list[int]:
+        """A conversation's opening token ids (what the first turn of a session sends)."""
+        return encode_chat(self.tokenizer, [_strip_message(m) for m in messages])
+
+    def prompt_ids_for(self, record: SessionRecord, messages: list[dict], tools: list | None = None,
+                       rendered: list[int] | None = None) -> list[int]:
+        """Token ids for the engine: the session's ids so far plus only the new messages' tokens.
+        `rendered`: the first turn's ids, already `render`ed from these messages (no tools)."""
         messages = [_strip_message(m) for m in messages]
         if record.turns == 0:
-            ids = encode_chat(self.tokenizer, messages, tools=tools)
+            ids = list(rendered) if rendered is not None else encode_chat(self.tokenizer, messages, tools=tools)
             record.prompt_ids = list(ids)
             record.messages = messages
             self.stats["prompt_tokens_new"] += len(ids)
@@ -243,19 +252,32 @@ class Gateway:
     def engine_for(self, session_id: str):
         return self.engines[zlib.crc32(session_id.encode()) % len(self.engines)]
 
-    async def chat(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _turn(self, session_id: str, body: dict[str, Any],
+                    rendered: list[int] | None = None) -> tuple[list[int], Generation, str]:
+        """One model call of a session, recorded: (the prompt ids sent, the generation, its text)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise GatewayError("messages must be a non-empty list")
-        names = tool_names(body)
         record = self.sessions.setdefault(session_id, SessionRecord(session_id))
-        prompt_ids = self.prompt_ids_for(record, messages, body.get("tools") or None)
+        prompt_ids = self.prompt_ids_for(record, messages, body.get("tools") or None, rendered)
         sampling = self.sampling_from(body)
         sampling.seed = self.request_seed(body, session_id, record.turns)
         t0 = time.perf_counter()
         gen = await self.engine_for(session_id).generate(prompt_ids, sampling, f"{session_id}-{record.turns}")
         record.generate_s += time.perf_counter() - t0
-        text = self.record_generation(record, gen)
+        return prompt_ids, gen, self.record_generation(record, gen)
+
+    async def reply(self, session_id: str, messages: list[dict], sampling: dict[str, Any],
+                    rendered: list[int] | None = None) -> str:
+        """A tool-less chat call made in-process: the reply's text, recorded exactly as `chat` records
+        the same request (`sampling`: the keyword arguments an OpenAI client would send). `rendered`:
+        `render(messages)`, computed once for the episodes of one task."""
+        return (await self._turn(session_id, {**sampling, "messages": messages}, rendered))[2]
+
+    async def chat(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        names = tool_names(body)
+        prompt_ids, gen, text = await self._turn(session_id, body)
+        record = self.sessions[session_id]
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = "length" if gen.finish_reason == "length" else "stop"
         content, calls = parse_tool_calls(text, names) if names else (text, [])

@@ -451,7 +451,7 @@ class EnvWorkerActor(Placed):
         self.owner = owner  # this worker's token: the buffer knows its groups by it
         self.env = make_environment(environment)
         sampling = {"temperature": rollout.temperature, "max_tokens": rollout.max_new_tokens}
-        self.runner = EpisodeRunner(self.gateway, self.env, sampling, rollout.group_size)
+        self.runner = EpisodeRunner(self.gateway, self.env, sampling, rollout.group_size, environment.direct)
         self.buffer = buffer
         self.producing = False
         self.tasks: set[asyncio.Task] = set()

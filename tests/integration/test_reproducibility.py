@@ -29,10 +29,15 @@ def weights_hash(checkpoint) -> str:
 
 
 def test_two_seeded_runs_at_eta_0_are_token_and_weight_identical(engine, tmp_path):
+    """The second run plays its episodes through the gateway's OpenAI endpoint, the first in-process
+    (`environment.direct`, the default): the fast path samples the very same tokens."""
     recipe = small_recipe("async.max_staleness=0", "rollout.seed=3", "train.steps=2", *QUIET)
+    through_http = small_recipe("async.max_staleness=0", "rollout.seed=3", "train.steps=2", *QUIET,
+                                "environment.direct=false")
     first, second = tmp_path / f"{tmp_path.name}-a", tmp_path / f"{tmp_path.name}-b"
+    assert recipe.environment.direct and not through_http.environment.direct
     run(recipe, first, engines=[engine])
-    run(recipe, second, engines=[engine])
+    run(through_http, second, engines=[engine])
     assert sampled(first) == sampled(second) and len(sampled(first)) == 2 * 16
     final = "checkpoints/step-000002"
     assert weights_hash(first / final) == weights_hash(second / final)

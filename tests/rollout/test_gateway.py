@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -150,3 +151,61 @@ def test_episode_runner_plays_a_group_in_process(tokenizer):
     assert all(s.prompt_ids == encode_chat(tokenizer, [{"role": "user", "content": task.question}])
                for s in group.samples)
     assert not gw.sessions  # every session was closed into a Sample
+
+
+class RecordingEngine:
+    """Replies by request id (so call order does not matter) and records each call (unit-test stand-in)."""
+
+    def __init__(self, replies: list[list[int]]):
+        self.replies = replies
+        self.calls: dict[str, tuple] = {}
+
+    async def generate(self, prompt_ids, sampling: SamplingParams, request_id: str) -> Generation:
+        self.calls[request_id] = (list(prompt_ids), sampling)
+        ids = self.replies[int(request_id.split("-")[1]) % len(self.replies)]
+        return Generation(ids, [-0.5] * len(ids), [2] * len(ids), "stop", len(prompt_ids))
+
+
+def test_direct_path_records_what_the_openai_path_records(tokenizer):
+    """Single-turn episodes played in-process (no OpenAI client) send the engine the same ids, sampling
+    and seeds, and make the same Samples and rewards, as through the gateway's OpenAI endpoint."""
+    from factory.envs.single_turn import SingleTurnEnvironment
+    from factory.recipe import EnvironmentSection
+    from factory.rollout.episodes import EpisodeRunner
+    from factory.types import Task
+
+    end = tokenizer.eos_token_id
+    replies = [ids_of(tokenizer, "49") + [end], ids_of(tokenizer, "The answer is 12.")]
+    task = Task("t1", "basic_arithmetic", "Calculate 23 + 26.", "49",
+                metadata={"rg_entry": {"answer": "49", "metadata": {}}})
+    env = SingleTurnEnvironment(EnvironmentSection(system_prompt="You add."))
+
+    def play(direct: bool):
+        engine = RecordingEngine(replies)
+        gw = Gateway(tokenizer, [engine], SamplingParams(max_new_tokens=8, top_k=5), seed=11)
+        runner = EpisodeRunner(gw, env, {"temperature": 0.7, "max_tokens": 6}, group_size=4, direct=direct)
+        assert runner.direct is direct
+
+        async def go():
+            try:
+                group = await runner.run_group(task, "g3")
+                evals = await runner.episodes([task, task], {"temperature": 0.0, "max_tokens": 4}, keep=True)
+                return group, evals
+            finally:
+                await runner.close()
+
+        group, evals = asyncio.run(go())
+        assert not gw.sessions
+        untimed = [dataclasses.replace(s, timings={}) for s in group.samples + [e[1] for e in evals]]
+        return engine.calls, untimed, [e[0] for e in evals], gw.metrics()
+
+    fast, slow = play(True), play(False)
+    assert fast[0] == slow[0] and len(fast[0]) == 6  # ids, sampling (seeds included) and request ids
+    assert {s.seed for _, s in fast[0].values()} != {None}
+    assert fast[1] == slow[1] and len(fast[1]) == 6
+    assert [s.reward for s in fast[1]] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert fast[2] == slow[2] and fast[3] == slow[3]
+    # an environment with tools (no score_reply) keeps the OpenAI contract whatever the flag says
+    from factory.envs.tool_agent import ToolAgentEnvironment
+    assert not EpisodeRunner(Gateway(tokenizer, [RecordingEngine(replies)], SamplingParams()),
+                             ToolAgentEnvironment(), {}, 1, direct=True).direct
