@@ -115,7 +115,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         phase("starting engines, trainer, buffer, env workers")
         a = _start(recipe, run_dir, record, policy, source.train, engines, created)
         version = _restore(a, recipe, resume_from)
-        _start_env_workers(a, recipe, created)
+        _start_env_workers(a)
         results: dict = {"run_dir": str(run_dir), "recipe": recipe.name, "policy": str(policy), "nodes": a.nodes()}
         if before is not None:  # a rebuilt trainer's attempt: the run's start was evaluated already
             results["before"] = before
@@ -223,10 +223,15 @@ def _start(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Path, tra
     if record.keeps_all_samples:  # a failing run still records what it generated (failed groups too)
         created.before_kill.append(lambda: record.log_discarded(
             record.step, *ray.get(buffer.take_discarded.remote(unused=True), timeout=30)))
+    a = Actors(engines, trainer, scorer, buffer, [], own_engines, policy_ref)
+    # the env workers' processes are made now, beside the trainer's and the engines' (their gateways
+    # serve from `_start_env_workers`, once the engines hold this run's weights)
+    a.workers = [_env_worker(a, recipe, f"w{i}") for i in range(recipe.environment.workers)]
+    created.extend(a.workers)
     ray.get([e.start.remote() for e in engines])
     if not own_engines:
         ray.get([e.set_partial_rollout.remote(recipe.rollout.partial_rollout) for e in engines])
-    return Actors(engines, trainer, scorer, buffer, [], own_engines, policy_ref)
+    return a
 
 
 def _engine_urls(recipe: Recipe) -> Sequence[str | None]:
@@ -263,10 +268,8 @@ def _env_worker(a: Actors, recipe: Recipe, owner: str):
         a.policy, recipe.environment, recipe.rollout, a.engines, a.buffer, recipe.failures, recipe.deadlines, owner)
 
 
-def _start_env_workers(a: Actors, recipe: Recipe, created) -> None:
-    """The env workers, each with its gateway serving (they produce once training starts)."""
-    a.workers = [_env_worker(a, recipe, f"w{i}") for i in range(recipe.environment.workers)]
-    created.extend(a.workers)
+def _start_env_workers(a: Actors) -> None:
+    """The env workers' gateways serve (they produce once training starts)."""
     ray.get([w.start.remote() for w in a.workers])
 
 

@@ -104,7 +104,7 @@ def test_partial_rollouts_carry_exact_per_token_versions(engine_back_to_wait, po
     update lands: with more, it could finish everything the staleness bound admits before the
     trainer's step ended, and on a loaded machine no update landed mid-generation (seen in CI)."""
     recipe = small_recipe("async.max_staleness=2", "async.max_inflight_groups=1",
-                          f"rollout.partial_rollout={mode}", "train.steps=8",
+                          f"rollout.partial_rollout={mode}", "train.steps=5",
                           "train.checkpoint_every=1", "rollout.max_new_tokens=96", "rollout.min_new_tokens=96",
                           "algorithm.filter_zero_variance=false", "eval.before=false", "eval.after=false",
                           "rollout.seed=null")  # seeded, these modes send one request per seed: no coalescing
