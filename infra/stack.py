@@ -146,6 +146,10 @@ class Service:
     process: subprocess.Popen | None = None
     restarts: int = 0
     is_ready: bool = False
+    # Its process group dies with it: what a killed service leaves behind in its group holds its port
+    # or data dir (the uvicorn under `mlflow server`, a postmaster's backends, Ray's raylet) and is
+    # killed before the restart. Not the code server's: its group holds run workers, which outlive it.
+    group_dies_with_it: bool = False
 
 
 def postgres_bin(tool: str) -> str:
@@ -197,7 +201,8 @@ class Stack:
         return [
             Service("postgres", [*as_postgres_user(), postgres_bin("postgres"), "-D", str(self.dir / "postgres"),
                                  "-h", pg_host, "-p", pg_port, "-c", "unix_socket_directories="],
-                    ready=lambda: port_open(pg_host, int(pg_port)) and self.create_databases()),
+                    ready=lambda: port_open(pg_host, int(pg_port)) and self.create_databases(),
+                    group_dies_with_it=True),
             Service("s3", ["node", str(node), "-d", str(self.dir / "s3"), "-a", s3_host, "-p", str(s3_port), "--silent",
                            *[arg for b in buckets for arg in ("--configure-bucket", b)]],
                     ready=lambda: port_open(s3_host, s3_port)),
@@ -206,7 +211,7 @@ class Stack:
                                "--port", str(mlflow_port), "--workers", "1"],
                     env={"MLFLOW_S3_ENDPOINT_URL": v["FACTORY_S3_ENDPOINT"],
                          "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-                    ready=lambda: http_ok(f"http://{mlflow_host}:{mlflow_port}/health")),
+                    ready=lambda: http_ok(f"http://{mlflow_host}:{mlflow_port}/health"), group_dies_with_it=True),
             Service("ray", [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", ray_host,
                             "--port", str(ray_port), "--temp-dir", str(self.ray_tmp),
                             "--num-cpus", v.get("FACTORY_RAY_CPUS", "16"), "--include-dashboard", "false",
@@ -214,7 +219,7 @@ class Stack:
                     # loopback only (ENVIRONMENT.md): Ray binds every interface unless told not to
                     env={"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0" if ray_host.startswith("127.") else "1",
                          "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"},
-                    ready=lambda: port_open(ray_host, ray_port)),
+                    ready=lambda: port_open(ray_host, ray_port), group_dies_with_it=True),
             Service("code_server", [sys.executable, "-m", "dagster", "api", "grpc", "-m", "assets.definitions",
                                     "-h", "127.0.0.1", "-p", grpc_port, "--location-name", "factory"],
                     ready=lambda: port_open("127.0.0.1", int(grpc_port))),
@@ -335,7 +340,7 @@ class Stack:
                     backoff[service.name] = delay
                     print(f"supervisor: {service.name} exited ({code}); restart {service.restarts} in {delay:.0f} s",
                           flush=True)
-                    self.kill_tree(service)  # what it left behind (a postmaster's backends, Ray's raylet)
+                    kill_tree(service)  # what it left behind (a postmaster's backends, Ray's raylet)
                     time.sleep(delay)
                     self.start(service)
                     try:
@@ -349,36 +354,48 @@ class Stack:
         finally:
             self.stopping = True
             for service in reversed(self.services):
-                self.kill_tree(service)
+                kill_tree(service)
             shutil.rmtree(self.ray_tmp, ignore_errors=True)
             self.write_state(error=json.loads(self.state_file.read_text()).get("error", "")
                              if self.state_file.exists() else "")
 
-    def kill_tree(self, service: Service) -> None:
-        """SIGTERM the service's process group and every descendant, SIGKILL what outlives the grace."""
-        import psutil
 
-        if service.process is None:
-            return
-        try:
-            procs = [psutil.Process(service.process.pid)]
-            procs += procs[0].children(recursive=True)
-        except psutil.NoSuchProcess:
-            procs = []
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for proc in procs:
-                try:
-                    proc.send_signal(sig)
-                except psutil.NoSuchProcess:
-                    pass
-            _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE_S if sig == signal.SIGTERM else 5)
-            procs = alive
-            if not procs:
-                break
-        try:
-            service.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+def kill_tree(service: Service) -> None:
+    """SIGTERM the service's process and every descendant (and, with `group_dies_with_it`, its process
+    group: a SIGKILLed parent's children are no longer its descendants), SIGKILL what outlives the grace."""
+    import psutil
+
+    if service.process is None:
+        return
+    pid = service.process.pid
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    if service.group_dies_with_it:  # started in a session of its own, so its group id is its pid
+        procs += [p for p in psutil.process_iter() if p not in procs and process_group(p.pid) == pid]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in procs:
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE_S if sig == signal.SIGTERM else 5)
+        procs = alive
+        if not procs:
+            break
+    try:
+        service.process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def process_group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
 
 
 # ---- the commands ---------------------------------------------------------------------------------

@@ -168,6 +168,8 @@ class VLLMEngine(ServerClient):
         self._engine_ids: dict[str, str] = {}
         self._batches = 0
         self.batch_route = True  # servers we start add it; an attached one is asked at start
+        self.update_route = True  # /factory/v1/update_weights: off once a server answers 404
+        self._prefix_reset: bool | None = None  # the reset done with this update's load, if it was
 
     async def start(self) -> None:
         if isinstance(self.server, AttachedServer):
@@ -388,8 +390,27 @@ class VLLMEngine(ServerClient):
         resp.raise_for_status()
         return resp.json().get("results") if resp.content else None
 
+    async def _load_rpc(self, method: str, *args, timeout: float = 300.0) -> list:
+        """A weight-loading RPC and the prefix-cache reset the update needs after it, in one HTTP call
+        (our route `/factory/v1/update_weights`; see vllm_site/factory_routes.py). The reset drops
+        running requests' cache too, except in inflight mode (their KV is kept by design: best effort).
+        A server without the route (one started by hand) gets the RPC alone; `end_update` resets then."""
+        if self.update_route:
+            resp = await self.client.post("/factory/v1/update_weights", json={
+                "method": method, "args": [str(a) for a in args], "kwargs": {}, "timeout": timeout,
+                "reset_prefix_cache": {"running_requests": self.partial != "inflight"},
+            }, timeout=timeout + 10)
+            if resp.status_code != 404:
+                resp.raise_for_status()
+                data = resp.json()
+                self._prefix_reset = data["prefix_cache_reset"]
+                return data["results"]
+            self.update_route = False
+        return await self._rpc(method, *args, timeout=timeout)
+
     async def begin_update(self) -> None:
         self._update_t0 = time.perf_counter()
+        self._prefix_reset = None
         if self.partial == "inflight":
             # running requests freeze with their KV cache; new ones queue in the server until /resume
             resp = await self.client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
@@ -412,13 +433,13 @@ class VLLMEngine(ServerClient):
 
     async def receive_broadcast(self) -> None:
         t0 = time.perf_counter()
-        report = json.loads((await self._rpc("receive_weights"))[0])  # one worker: tensor parallelism is 1
+        report = json.loads((await self._load_rpc("receive_weights"))[0])  # one worker: tensor parallelism is 1
         self.stats["receive_s"] += report["receive_s"]
         self.stats["load_s"] += report["load_s"]
         self.stats["receive_rpc_s"] += time.perf_counter() - t0
 
     async def load_from_disk(self, path: str) -> None:
-        await self._rpc("reload_weights_from", path)
+        await self._load_rpc("reload_weights_from", path)
 
     async def load_lora(self, path: str, name: str = "policy-lora") -> None:
         """Load (or replace in place) the trained LoRA adapter; requests then go to it by name.
@@ -438,21 +459,32 @@ class VLLMEngine(ServerClient):
         # after new weights, cached prefixes would still carry the old weights' KV
         resp = await self.client.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
         resp.raise_for_status()
-        if not resp.json().get("success", False):
+        self._check_reset(resp.json().get("success", False))
+
+    @staticmethod
+    def _check_reset(success: bool) -> None:
+        if not success:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
 
     async def end_update(self, version: int) -> None:
+        """Publish the version and reopen; the prefix cache was reset with the load (`_load_rpc`), or is
+        reset here."""
+        reset, self._prefix_reset = self._prefix_reset, None
         if self.partial == "inflight":
             await self.client.post("/update_weight_version", json={"new_version": str(version)})
-            resp = await self.client.post("/reset_prefix_cache")  # best effort: fails while requests hold blocks
-            if not (resp.status_code == 200 and resp.json().get("success", False)):
+            if reset is None:  # best effort: fails while requests hold blocks
+                resp = await self.client.post("/reset_prefix_cache")
+                reset = resp.status_code == 200 and resp.json().get("success", False)
+            if not reset:
                 self.stats["prefix_reset_skipped"] += 1
             await self.client.post("/resume")
-        elif self.partial == "abort_resume":
-            await self.client.post("/resume")
-            await self.reset_prefix_cache()
         else:
-            await self.reset_prefix_cache()
+            if self.partial == "abort_resume":
+                await self.client.post("/resume")
+            if reset is None:
+                await self.reset_prefix_cache()
+            else:
+                self._check_reset(reset)
         self.version = version
         self.stats["updates"] += 1
         self.stats["update_s"] += time.perf_counter() - getattr(self, "_update_t0", time.perf_counter())

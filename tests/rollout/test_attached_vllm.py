@@ -1,6 +1,7 @@
 """Seeded requests to an attached vLLM server (`rollout.urls`), against a scripted server on loopback:
 through our batch route when the server has it, one seed per /v1/completions call when it does not
-(a plain `vllm serve`), so the default `rollout.seed` works with either."""
+(a plain `vllm serve`), so the default `rollout.seed` works with either. Weight updates likewise: one
+call that loads and resets the prefix cache through our route, or vLLM's two dev endpoints."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from factory.rollout.engine import SamplingParams
 from factory.rollout.vllm import AttachedServer, EngineStartError, VLLMEngine
 
 
+LOAD_REPORT = json.dumps({"tensors": 1, "receive_s": 0.001, "load_s": 0.002})
+
+
 class ScriptedVLLM:
-    """A loopback HTTP server answering like vLLM (with or without our batch route); records each call."""
+    """A loopback HTTP server answering like vLLM (with or without our routes); records each call."""
 
     def __init__(self, batch_route: bool):
         self.batch_route = batch_route
@@ -49,6 +53,12 @@ class ScriptedVLLM:
                     self.answer(200, {"choices": [
                         {"index": i, "token_ids": [body.get("seed", 0) % 100], "logprobs": {"token_logprobs": [-0.5]},
                          "finish_reason": "stop"} for i in range(len(body["prompt"]))]})
+                elif self.path == "/factory/v1/update_weights" and batch_route:
+                    self.answer(200, {"results": [LOAD_REPORT], "prefix_cache_reset": True})
+                elif self.path == "/collective_rpc":
+                    self.answer(200, {"results": [LOAD_REPORT]})
+                elif self.path.startswith("/reset_prefix_cache"):
+                    self.answer(200, {"success": True})
                 else:
                     self.answer(404, {"detail": "Not Found"})
 
@@ -100,3 +110,26 @@ def test_inflight_on_a_server_without_the_batch_route_is_refused_at_attach():
             generate_seeded(script.url, [1], partial="inflight")
     finally:
         script.http.shutdown()
+
+
+def test_a_broadcast_update_loads_and_resets_the_prefix_cache_in_one_call_where_the_server_has_our_route(server):
+    async def scenario():
+        engine = VLLMEngine("policy", server=AttachedServer(server.url))
+        await engine.start()
+        try:
+            await engine.begin_update()
+            await engine.receive_broadcast()
+            await engine.end_update(1)
+        finally:
+            await engine.close_client()
+        return engine
+
+    engine = asyncio.run(scenario())
+    calls = [(path.split("?")[0], body) for path, body in server.calls if path != "/factory/v1/generate_batch"]
+    if server.batch_route:
+        assert [path for path, _ in calls] == ["/factory/v1/update_weights"]
+        assert calls[0][1]["method"] == "receive_weights"
+        assert calls[0][1]["reset_prefix_cache"] == {"running_requests": True}
+    else:
+        assert [path for path, _ in calls] == ["/factory/v1/update_weights", "/collective_rpc", "/reset_prefix_cache"]
+    assert engine.version == 1 and engine.stats["load_s"] == 0.002

@@ -1,4 +1,6 @@
-"""A batch form of vLLM's token endpoint, added to the servers we launch (see sitecustomize.py).
+"""Routes added to the vLLM servers we launch (see sitecustomize.py).
+
+A batch form of vLLM's token endpoint:
 
 `POST /factory/v1/generate_batch` takes `{"requests": [<body of /inference/v1/generate>, ...]}` and
 answers `{"choices": [<choices[0] of each answer, or {"error": ...}>, ...]}` in the same order.
@@ -9,6 +11,12 @@ per HTTP request, and vLLM's API server spends ~10 ms of CPU per request here â€
 inflight throughput. Each prompt of a batch goes through the endpoint's own handler
 (`ServingTokens.serve_tokens`) as a separate engine request, so versions, logprobs, aborts by
 request id and pause/resume behave exactly as they do one by one.
+
+`POST /factory/v1/update_weights` (dev mode only, as `/collective_rpc`): one worker RPC, with the
+body of `/collective_rpc`, then, if the body holds `"reset_prefix_cache": {"running_requests": bool}`,
+vLLM's prefix-cache reset; answers `{"results": [...], "prefix_cache_reset": bool | null}`. Why: a
+weight update needs both, and on this server each HTTP request costs ~10 ms of CPU; one call saves
+a round trip per update.
 """
 
 from __future__ import annotations
@@ -42,6 +50,24 @@ async def generate_batch(raw_request: Request) -> JSONResponse:
     body = await raw_request.json()
     choices = await asyncio.gather(*(_one(handler, r) for r in body.get("requests", [])))
     return JSONResponse({"choices": list(choices)})
+
+
+@router.post("/factory/v1/update_weights")
+async def update_weights(raw_request: Request) -> JSONResponse:
+    from vllm import envs
+
+    if not envs.VLLM_SERVER_DEV_MODE:  # the same guard as vLLM's /collective_rpc
+        return JSONResponse({"error": "start vLLM with VLLM_SERVER_DEV_MODE=1"}, 404)
+    body = await raw_request.json()
+    client = raw_request.app.state.engine_client
+    results = await client.collective_rpc(method=body["method"], timeout=body.get("timeout"),
+                                          args=tuple(body.get("args", [])), kwargs=body.get("kwargs", {}))
+    reset = body.get("reset_prefix_cache")
+    success = None
+    if reset is not None:
+        success = bool(await client.reset_prefix_cache(bool(reset.get("running_requests", False)), False))
+    return JSONResponse({"results": [r if r is None or isinstance(r, dict | list) else str(r) for r in results or []],
+                         "prefix_cache_reset": success})
 
 
 def attach(app: FastAPI) -> None:

@@ -7,8 +7,9 @@ env workers and the trainer need. A sleeping reader can miss a wake-up (vLLM say
 re-checks every 5 s: that stalled weight updates by ~5 s here), so it re-checks every 10 ms.
 Patched when the module is first imported, in each process.
 
-It also adds one route to the API server, `/factory/v1/generate_batch` (factory_routes.py): the
-token endpoint for many prompts in one HTTP request, for inflight partial rollouts.
+It also adds routes to the API server (factory_routes.py): `/factory/v1/generate_batch`, the
+token endpoint for many prompts in one HTTP request, for inflight partial rollouts, and
+`/factory/v1/update_weights`, a weight load and the prefix-cache reset in one request.
 """
 
 import importlib.abc
