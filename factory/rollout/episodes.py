@@ -25,6 +25,20 @@ class EvalResult:
         return {"mean": self.mean, "stderr": self.stderr, "n": self.n, "by_family": self.by_family}
 
 
+def plays_directly(env) -> bool:
+    """Whether the runner may play `env` in-process: it has `score_reply`, and no class below the one
+    that defines it overrides `run_episode` (a subclass that changes the episode keeps its own)."""
+    mro = type(env).__mro__
+
+    def owner(name: str):
+        return next((k for k in mro if name in vars(k)), None)
+
+    scores, plays = owner("score_reply"), owner("run_episode")
+    if scores is None or not callable(getattr(env, "score_reply", None)):
+        return False
+    return plays is None or not (plays is not scores and issubclass(plays, scores))
+
+
 class EpisodeRunner:
     """Plays an environment's episodes against a gateway and turns them into Groups."""
 
@@ -35,7 +49,7 @@ class EpisodeRunner:
         self.env = env
         self.sampling = sampling
         self.group_size = group_size
-        self.direct = direct and callable(getattr(env, "score_reply", None))
+        self.direct = direct and plays_directly(env)
         # Environments in this process reach the gateway through an in-process ASGI transport:
         # the same OpenAI API and app, without a socket and uvicorn's parsing per call (agents in
         # other processes, e.g. sandboxes, use the loopback URL the gateway also serves).

@@ -205,6 +205,17 @@ def test_direct_path_records_what_the_openai_path_records(tokenizer):
     assert fast[1] == slow[1] and len(fast[1]) == 6
     assert [s.reward for s in fast[1]] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
     assert fast[2] == slow[2] and fast[3] == slow[3]
+    # a subclass that overrides run_episode keeps its own episode; one that only rescores stays direct
+    class OwnEpisode(SingleTurnEnvironment):
+        async def run_episode(self, client, model, task, sampling):
+            raise AssertionError("not reached")
+
+    class OwnScore(SingleTurnEnvironment):
+        async def score_reply(self, task, answer):
+            return await super().score_reply(task, answer)
+
+    gw = Gateway(tokenizer, [RecordingEngine(replies)], SamplingParams())
+    assert not EpisodeRunner(gw, OwnEpisode(), {}, 1).direct and EpisodeRunner(gw, OwnScore(), {}, 1).direct
     # an environment with tools (no score_reply) keeps the OpenAI contract whatever the flag says
     from factory.envs.tool_agent import ToolAgentEnvironment
     assert not EpisodeRunner(Gateway(tokenizer, [RecordingEngine(replies)], SamplingParams()),
