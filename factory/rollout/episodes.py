@@ -34,9 +34,7 @@ def plays_directly(env) -> bool:
         return next((k for k in mro if name in vars(k)), None)
 
     scores, plays = owner("score_reply"), owner("run_episode")
-    if scores is None or not callable(getattr(env, "score_reply", None)):
-        return False
-    return plays is None or not (plays is not scores and issubclass(plays, scores))
+    return scores is not None and (plays is None or plays is scores or not issubclass(plays, scores))
 
 
 class EpisodeRunner:

@@ -378,11 +378,15 @@ class VLLMEngine(ServerClient):
     async def resume(self) -> None:
         self.gate.open()
 
+    @staticmethod
+    def _rpc_body(method: str, args: tuple, kwargs: dict, timeout: float) -> dict:
+        """The body of vLLM's /collective_rpc (and of our update route, which takes the same)."""
+        return {"method": method, "args": [str(a) for a in args], "kwargs": {k: str(v) for k, v in kwargs.items()},
+                "timeout": timeout}
+
     async def _rpc(self, method: str, *args, timeout: float = 300.0, **kwargs):
-        resp = await self.client.post("/collective_rpc", json={
-            "method": method, "args": [str(a) for a in args],
-            "kwargs": {k: str(v) for k, v in kwargs.items()}, "timeout": timeout,
-        }, timeout=timeout + 10)
+        resp = await self.client.post("/collective_rpc", json=self._rpc_body(method, args, kwargs, timeout),
+                                      timeout=timeout + 10)
         if resp.status_code == 404:
             raise RuntimeError(f"the vLLM server at {self.url} has no /collective_rpc: start it with "
                                "VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls factory.weightsync."
@@ -397,7 +401,7 @@ class VLLMEngine(ServerClient):
         A server without the route (one started by hand) gets the RPC alone; `end_update` resets then."""
         if self.update_route:
             resp = await self.client.post("/factory/v1/update_weights", json={
-                "method": method, "args": [str(a) for a in args], "kwargs": {}, "timeout": timeout,
+                **self._rpc_body(method, args, {}, timeout),
                 "reset_prefix_cache": {"running_requests": self.partial != "inflight"},
             }, timeout=timeout + 10)
             if resp.status_code != 404:
