@@ -9,12 +9,14 @@ e.g. `{"type": "rest", "uri": "http://…", "warehouse": "s3://…"}`.
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, TableAlreadyExistsError
 from pyiceberg.table import Table
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 from factory import profile
 from factory.lake.schemas import NAMESPACE, TABLES, TableSpec
@@ -45,10 +47,27 @@ def open_catalog(props: dict[str, Any] | None = None, namespace: str | None = NA
         props.setdefault("pool_pre_ping", "true")
     if props.get("uri", "").startswith("sqlite:///"):
         _use_wal(Path(props["uri"].removeprefix("sqlite:///").split("?", 1)[0]))
-    catalog = load_catalog(props.pop("name", CATALOG_NAME), **props)
+    catalog = _load(props.pop("name", CATALOG_NAME), props)
     if namespace is not None:
         ensure_tables(catalog, namespace)
     return catalog
+
+
+def _load(name: str, props: dict[str, str], attempts: int = 4) -> Catalog:
+    """`load_catalog`, again after losing the race to create the SQL catalog's own tables.
+
+    A SqlCatalog checks for its tables, then creates them: processes that open a fresh catalog at
+    the same moment both create, and the losers get the database's unique-key error (Postgres:
+    `pg_type_typname_nsp_index`). The tables exist by then, so the next attempt only finds them.
+    """
+    for attempt in range(attempts):
+        try:
+            return load_catalog(name, **props)
+        except (IntegrityError, OperationalError, ProgrammingError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def ensure_tables(catalog: Catalog, namespace: str = NAMESPACE) -> dict[str, Table]:

@@ -93,7 +93,7 @@ def test_concurrent_writers_on_the_postgres_catalog_lose_and_duplicate_nothing(s
              for k in range(writers)]
     for proc in procs:
         proc.start()
-    metrics = [out.get(timeout=400) for _ in procs]
+    metrics = workers.collect(procs, out, timeout_s=400)
     for proc in procs:
         proc.join(timeout=60)
         assert proc.exitcode == 0

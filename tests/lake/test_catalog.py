@@ -60,3 +60,25 @@ def test_an_older_tasks_table_gains_the_dataset_column_and_partition(tmp_path, m
         assert writer.append("tasks", [{**row, "dataset": "d1"}]) == 1
     rows = sorted(table.refresh().scan().to_arrow().to_pylist(), key=lambda r: r["question"])
     assert [(r["dataset"], r["question"]) for r in rows] == [(None, "q"), ("d1", "q2")]
+
+
+def test_a_catalog_opened_while_another_process_creates_its_tables_retries(tmp_path, monkeypatch):
+    """Two processes opening a fresh SQL catalog at once both find its tables absent and both create
+    them; on Postgres the loser gets a unique-key error (CI saw a writer die of it). The loser here
+    finds the tables made by the winner mid-create and fails as Postgres does; open_catalog retries."""
+    from pyiceberg.catalog.sql import SqlCatalog
+    from sqlalchemy.exc import IntegrityError
+
+    monkeypatch.setenv("FACTORY_HOME", str(tmp_path))
+    real_create, calls = SqlCatalog.create_tables, []
+
+    def lose_the_race_once(self):
+        calls.append(self)
+        real_create(self)  # the winner's tables now exist ...
+        if len(calls) == 1:  # ... and the loser's own CREATE collides with them
+            raise IntegrityError("CREATE TABLE iceberg_tables", {}, Exception("duplicate key: pg_type_typname_nsp_index"))
+
+    monkeypatch.setattr(SqlCatalog, "create_tables", lose_the_race_once)
+    catalog = open_catalog()
+    assert len(calls) == 1  # the second attempt found the tables and created nothing
+    assert {t for _, t in catalog.list_tables("factory")} == set(TABLES)

@@ -67,7 +67,7 @@ def test_two_processes_append_concurrently_without_losing_rows(catalog, tmp_path
              for k in range(2)]
     for p in procs:
         p.start()
-    metrics = [out.get(timeout=300) for _ in procs]
+    metrics = workers.collect(procs, out, timeout_s=300)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0

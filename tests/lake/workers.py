@@ -3,6 +3,24 @@
 from __future__ import annotations
 
 import os
+import queue
+import time
+
+
+def collect(procs, out, timeout_s: float) -> list:
+    """One report from each of `procs` through queue `out`; fail at once, naming it, when a process
+    dies without reporting (a crashed writer would otherwise cost the whole timeout)."""
+    reports, deadline = [], time.monotonic() + timeout_s
+    while len(reports) < len(procs):
+        try:
+            reports.append(out.get(timeout=1))
+            continue
+        except queue.Empty:
+            pass
+        dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        assert not dead, f"a writer process died with exit code {dead[0]} before reporting (see its traceback above)"
+        assert time.monotonic() < deadline, f"{len(procs) - len(reports)} writers did not report in {timeout_s:.0f} s"
+    return reports
 
 
 def append_many(home: str, worker: int, commits: int, rows_per_commit: int, out, env: dict | None = None) -> None:
