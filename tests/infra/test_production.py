@@ -111,6 +111,13 @@ def metrics_lines(run_dir: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
 
 
+def last_step(run_dir: Path) -> int:
+    """The last step logged to a run's metrics.jsonl (0 before the first)."""
+    path = run_dir / "metrics.jsonl"
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
 def wait_for(condition, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -157,11 +164,11 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
         assert client.wait_for_run(sweeps[user], 180)["status"] == "SUCCESS"
 
     in_bob = [{"key": "factory/sweep_run_id", "value": sweeps["bob"]}]
-    # wait until bob's run has a checkpoint and the lake holds a later step, then kill -9 the
-    # daemon and that run's worker (the process executing the RL run) at once. The lake probe takes
-    # seconds, and the run may write its next checkpoint meanwhile (seen: killed at lake step 9
-    # with checkpoint 9 just written, so nothing was past it): the checkpoint is read before and
-    # after the probe, and only an unchanged one counts.
+    # wait until bob's run is two steps past a checkpoint and not about to write the next, then kill -9
+    # the daemon and that run's worker (the process executing the RL run) at once. Read from the run dir
+    # (fast, no service): the lake probe takes seconds, longer than a step here, and raced the run's
+    # checkpoints until the run finished uncaught (seen). The lake commits every 0.5 s, so by the second
+    # step past the checkpoint it holds rows past it for the relaunch to rewind (checked below).
     deadline = time.monotonic() + 900
     while True:
         runs = bob.runs(tags=in_bob)
@@ -169,13 +176,14 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
         if runs and runs[0]["status"] == "STARTED":
             killed = runs[0]
             key = killed["tags"]["dagster/partition"]
-            pid, state = worker_pid(bob, killed["runId"]), stack.state()
             checkpoint = latest_checkpoint(stack.home / "runs" / key)
-            if (checkpoint is not None and samples_of(stack, key)[2] > checkpoint_step(checkpoint)
-                    and latest_checkpoint(stack.home / "runs" / key) == checkpoint):
-                break
+            at = checkpoint_step(checkpoint) if checkpoint is not None else None
+            if at is not None and at + 2 <= last_step(stack.home / "runs" / key) < at + LONG_EVERY - 1:
+                pid, state = worker_pid(bob, killed["runId"]), stack.state()
+                if latest_checkpoint(stack.home / "runs" / key) == checkpoint:
+                    break
         assert time.monotonic() < deadline, "bob's run never got past a checkpoint"
-        time.sleep(0.5)
+        time.sleep(0.2)
     assert pid in {p.pid for p in psutil.Process(state["supervisor"]).children(recursive=True)}  # ours to kill
     daemon = state["services"]["dagster_daemon"]["pid"]
     killed_at = datetime.now(UTC)
