@@ -83,6 +83,9 @@ class Trainer:
 
     def __init__(self, model_path: str, algorithm, train, rollout, shape: dict | None = None,
                  rank: int = 0, world_size: int = 1):
+        from factory.lean_imports import transformers_without_sklearn
+
+        transformers_without_sklearn()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from factory.devices import resolve_device

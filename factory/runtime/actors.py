@@ -431,6 +431,9 @@ class EnvWorkerActor(Placed):
 
     def __init__(self, model: str | DirBundle, environment, rollout, engines: list, buffer, failures=None,
                  deadlines=None, owner: str = "w0"):
+        from factory.lean_imports import transformers_without_sklearn
+
+        transformers_without_sklearn()
         from transformers import AutoTokenizer
 
         from factory.envs.base import make_environment

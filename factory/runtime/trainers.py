@@ -35,14 +35,19 @@ COMBINE = {"train_step": "metrics", "checkpoint": "bundles"}
 
 
 class _GroupMethod:
-    def __init__(self, ranks: list, name: str):
-        self.ranks, self.name = ranks, name
+    def __init__(self, ranks: list, name: str, num_returns: int = 1):
+        self.ranks, self.name, self.num_returns = ranks, name, num_returns
+
+    def options(self, num_returns: int = 1) -> _GroupMethod:
+        """As an actor method's `.options(num_returns=N)`: the combined result (a tuple) as N refs."""
+        return _GroupMethod(self.ranks, self.name, num_returns)
 
     def remote(self, *args):
         # every rank must take part (gathers of sharded weights are collectives); arguments travel once
         refs = [a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args]
         results = [getattr(r, self.name).remote(*refs) for r in self.ranks]
-        return _combine.remote(COMBINE.get(self.name, "first"), *results)
+        combine = _combine.options(num_returns=self.num_returns) if self.num_returns != 1 else _combine
+        return combine.remote(COMBINE.get(self.name, "first"), *results)
 
 
 class TrainerGroup:

@@ -77,18 +77,17 @@ def test_a_run_spans_two_nodes_that_share_nothing_but_the_network(policy, tmp_pa
             seen = subprocess.run(["nsenter", "-t", str(node2), "-m", "test", "-e", str(path)])
             assert seen.returncode == 1, f"node 2 can see {path}"
 
-        # two FSDP2 trainer ranks, one per node (each node offers one `trainer_rank`): gloo across the veth
+        # two FSDP2 trainer ranks, one per node (each node offers one `trainer_rank`): gloo across the veth;
+        # and weights as files (disk sync): a bundle through Ray's object store, written on node 2's own disk,
+        # into the HF engine there (one run for both: a second vLLM start on node 2 costs ~30 s)
         results, _ = train_on_cluster(env, home, "ranks", "train.steps=2", "train.ranks=2", "eval.after=false",
-                                      "placement.trainer={trainer_rank: 1}", "train.checkpoint_every=2")
+                                      "placement.trainer={trainer_rank: 1}", "train.checkpoint_every=2",
+                                      "rollout.engine=hf", "rollout.weight_sync=disk")
         assert sorted(results["nodes"]["trainer_ranks"]) == [HEAD, NODE2] and results["samples_trained"] > 0
+        assert results["nodes"]["engines"] == [NODE2] and results["engine_requests"][0] > 0
+        assert results["engine_versions"] == [2]  # the engine on node 2 took each step's weights from the files
         ckpt = home / "runs" / "ranks" / "checkpoints" / "step-000002"
         assert len(list((ckpt / "dcp").glob("*.distcp"))) == 2  # both ranks' shards reached the driver
-
-        # weights as files (disk sync): a bundle through Ray's object store, written on node 2's own disk
-        results, _ = train_on_cluster(env, home, "disk", "train.steps=1", "rollout.engine=hf",
-                                      "rollout.weight_sync=disk", "eval.after=false")
-        assert results["nodes"]["engines"] == [NODE2] and results["samples_trained"] > 0
-        assert results["engine_requests"][0] > 0
     finally:
         pids |= set(netns_pids(f"{NAME}-head")) | set(netns_pids(f"{NAME}-node2"))
         down = cluster(env, "down")

@@ -5,7 +5,9 @@ It makes vLLM's shared-memory queue readers sleep on their socket instead of spi
 py-spy showed ~70% of the worker's and ~80% of the engine core's CPU in that spin, CPU that the
 env workers and the trainer need. A sleeping reader can miss a wake-up (vLLM says so and
 re-checks every 5 s: that stalled weight updates by ~5 s here), so it re-checks every 10 ms.
-Patched when the module is first imported, in each process.
+Patched when the module is first imported, in each process. (Those queues join the engine core to
+worker processes: a CPU server started by `VLLMServer` runs its one worker inside the engine core,
+"uni", and has none; a server with several workers, or one started with other arguments, does.)
 
 It also adds routes to the API server (factory_routes.py): `/factory/v1/generate_batch`, the
 token endpoint for many prompts in one HTTP request, for inflight partial rollouts, and
