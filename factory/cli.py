@@ -96,6 +96,17 @@ def _train_with_progress(recipe, run_dir: Path, resume_from: Path | None = None)
                    on_sft_step=progress.on_sft_step, resume_from=resume_from)
 
 
+def weak_start(before: dict | None, floor: float = 0.02) -> str | None:
+    """A warning line when the starting policy's held-out accuracy is near zero (at most `floor` over at
+    least 32 tasks): GRPO learns from groups whose rewards differ, and such a policy rarely earns one.
+    Seen here: a warm start stuck on its SFT plateau (README, "Known problem")."""
+    if not before or before.get("n", 0) < 32 or before["mean"] > floor:
+        return None
+    return (f"warning            : the starting policy scored {before['mean']:.3f}, so RL had almost no reward to "
+            "learn from; rebuild the warm start with another model.seed or more model.sft_steps (README, "
+            "\"Known problem\")")
+
+
 def print_summary(results: dict, recipe: Recipe | None = None) -> None:
     """The run's scores, time and outputs; with its `recipe`, also the commands that open its metrics and
     samples."""
@@ -105,6 +116,8 @@ def print_summary(results: dict, recipe: Recipe | None = None) -> None:
 
     print("\n== run summary ==")
     print(f"accuracy before RL : {acc('before')}")
+    if weak := weak_start(results.get("before")):
+        print(weak)
     print(f"accuracy after RL  : {acc('after')}")
     if "delta" in results:
         verdict = "yes" if results["improved_beyond_2se"] else "no"

@@ -98,3 +98,18 @@ def test_resume_names_what_is_missing_in_one_line(capsys, monkeypatch, tmp_path)
                                                "checkpoint yet; start it again instead")
     assert main(["run"]) == 2
     assert capsys.readouterr().err.strip() == "error: give a recipe to run, or --resume RUN_ID"
+
+
+@pytest.mark.parametrize("before,warned", [({"mean": 0.0, "stderr": 0.0, "n": 64}, True),
+                                           ({"mean": 0.016, "stderr": 0.016, "n": 64}, True),
+                                           ({"mean": 0.25, "stderr": 0.05, "n": 64}, False),
+                                           ({"mean": 0.0, "stderr": 0.0, "n": 16}, False)])
+def test_the_summary_warns_when_the_starting_policy_scores_near_zero(capsys, tmp_path, before, warned):
+    run_dir = tmp_path / "default-20260101-000000"
+    run_dir.mkdir()
+    print_summary({"run_dir": str(run_dir), "total_seconds": 1.0, "train_seconds": 1.0, "samples_trained": 8,
+                   "trainer_idle_fraction": 0.1, "before": before})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+    assert len(lines) == int(warned)
+    if warned:
+        assert f"scored {before['mean']:.3f}" in lines[0] and "model.seed" in lines[0] and "Known problem" in lines[0]
