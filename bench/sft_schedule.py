@@ -60,6 +60,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="+", default=["128x300", "32x1200"], help="BATCHxSTEPS per row")
     ap.add_argument("--heldout", type=int, default=400)
+    ap.add_argument("--seed", type=int, default=0, help="model.seed: the init and the SFT sample order")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "sft_schedule.json"))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -84,7 +85,8 @@ def main() -> int:
         tokenizer = build_tokenizer(texts, base.model.bpe_vocab_size, Path(tmp))
         for spec in args.rows:
             batch, steps = map(int, spec.split("x"))
-            section = base.model.model_copy(update={"sft_batch_size": batch, "sft_steps": steps})
+            section = base.model.model_copy(update={"sft_batch_size": batch, "sft_steps": steps,
+                                                                "seed": args.seed})
             model = build_model(tokenizer, section, Path(tmp))  # seeded: the same init for every row
             t0 = time.perf_counter()
             losses = warm_start(model, tokenizer, env, train, section)
@@ -96,7 +98,8 @@ def main() -> int:
             print(f"batch {batch:>4} x {steps:>5} steps: loss {row['final_loss']:.3f}, sampled "
                   f"{row['sampled_accuracy']:.3f}, greedy {row['greedy_accuracy']:.3f} ({row['seconds']:.0f}s)",
                   flush=True)
-    write_results(args.out, {"recipe": "recipes/default.yaml", "heldout": len(heldout), "rows": results})
+    write_results(args.out, {"recipe": "recipes/default.yaml", "heldout": len(heldout), "seed": args.seed,
+                                "rows": results})
     return 0
 
 

@@ -112,4 +112,4 @@ def test_the_summary_warns_when_the_starting_policy_scores_near_zero(capsys, tmp
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
     assert len(lines) == int(warned)
     if warned:
-        assert f"scored {before['mean']:.3f}" in lines[0] and "model.seed" in lines[0] and "Known problem" in lines[0]
+        assert f"scored {before['mean']:.3f}" in lines[0] and "model.seed" in lines[0] and "warm start" in lines[0]
