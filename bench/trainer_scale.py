@@ -15,14 +15,18 @@ GPU (`--gpu`): the Qwen2.5-0.5B and -1.5B shapes (random init) at the batch size
 the new step (bf16, activation checkpointing) against the plain reference: tokens/s, MFU (against
 790 TFLOP/s, a measured bf16 matrix rate of an H200) and peak memory. It needs only torch,
 transformers and the project's pure-Python dependencies (no Ray, no vLLM). No GPU was lent to the
-session that wrote it: the GPU mode has not been run.
+session that wrote it first; it ran on a lent H200 on 2026-11-26 (README, "Measured on one GPU").
 
 The plain reference: fp32 master weights (bf16 autocast on GPU), the body once, logprobs of the
 completion positions computed two rows at a time over full-vocabulary log-softmax (kept for the
 backward pass), activation checkpointing on GPU, AdamW (fused on GPU).
 
     python bench/trainer_scale.py                 # CPU, ~10 min on 2 cores
-    python bench/trainer_scale.py --gpu           # one GPU, < 10 min
+    python bench/trainer_scale.py --gpu           # one GPU, ~4 min on an H200
+    python bench/trainer_scale.py --gpu --knobs   # the trainer's knobs against the plain step, ~3.5 min
+On a GPU machine with only torch and transformers: `pip install pydantic httpx` (factory.recipe needs
+them), `PYTHONPATH=<this repository>`; `--budget-s S` begins no run after S seconds and each finished
+run is written at once, so a short lease keeps what it measured.
 Results: bench/results/trainer_scale.json (or trainer_scale_gpu.json).
 """
 
@@ -49,13 +53,17 @@ GPU_SHAPES = {  # Qwen2.5 shapes (Llama-style blocks, tied embeddings as Qwen2.5
     "1.5B": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, tie_word_embeddings=True),
 }
-GPU_RUNS = [("0.5B", 16), ("0.5B", 32), ("0.5B", 64), ("1.5B", 16), ("1.5B", 64)]
+# in order of what a short GPU lease must answer first: issue 23's 0.5B figure, then the 1.5B shapes that
+# ran out of memory before it
+GPU_RUNS = [("0.5B", 16), ("1.5B", 16), ("1.5B", 64), ("0.5B", 64), ("0.5B", 32)]
 PEAK_TFLOPS = 790.0
 
 
-def build_model(out: Path, body: dict, max_position: int = 2048) -> Path:
+def build_model(out: Path, body: dict, max_position: int = 2048, device: str = "cpu") -> Path:
     """A random-init Llama with the given body and vocabulary 151,936, plus a small tokenizer (the
-    trainer reads only its pad id)."""
+    trainer reads only its pad id). On a GPU it is initialised there and saved in bf16 (a 1.5B model's
+    fp32 init and save on the CPU would take a minute of a short lease)."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from factory.model.tiny import build_tokenizer
@@ -63,7 +71,11 @@ def build_model(out: Path, body: dict, max_position: int = 2048) -> Path:
     tok = build_tokenizer(["12+34=46", "7+8=15", "the answer is 9"] * 4, 270, out)
     cfg = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=max_position, pad_token_id=tok.pad_token_id,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **body)
-    LlamaForCausalLM(cfg).save_pretrained(out)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    if device != "cpu":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(out)
     return out
 
 
@@ -220,7 +232,8 @@ def child(args) -> None:
 
 def run_variant(name: str, variant: str, model: Path, spec: dict, steps: int = 3, overrides: list[str] | None = None,
                 tree: Path = REPO, device: str = "cpu", world: int = 1) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     cmd = [sys.executable, str(REPO / "bench" / "trainer_scale.py"), "--child", variant, "--model", str(model),
            "--spec", json.dumps(spec), "--steps", str(steps), "--overrides", json.dumps(overrides or []),
            "--device", device, "--world", str(world)]
@@ -285,33 +298,92 @@ def cpu(args) -> dict:
     return results
 
 
-def gpu(args) -> dict:
+def gpu(args, out: Path) -> dict:
+    """Each run is written to `out` as it finishes, and runs not begun by `--budget-s` are skipped (and
+    named), so a lease that ends early still leaves what was measured."""
+    import torch
+
     print("trainer scale, GPU (Qwen2.5 shapes, random init)", flush=True)
+    t_start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="trainer-scale-gpu-"))
-    results: dict = {"peak_tflops": PEAK_TFLOPS, "runs": {}}
+    results: dict = {"peak_tflops": PEAK_TFLOPS, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                     "runs": {}, "skipped": []}
+
+    def save() -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1))
+
+    def in_budget(name: str) -> bool:
+        if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+            results["skipped"].append(name)
+            save()
+            return False
+        return True
+
+    new_overrides = ["train.device=cuda", "train.precision=bf16", "train.activation_checkpointing=true"]
     for shape, n in GPU_RUNS:
+        if not in_budget(f"{shape}x{n}"):
+            continue
         model = work / shape
         if not model.is_dir():
-            build_model(model, GPU_SHAPES[shape])
+            build_model(model, GPU_SHAPES[shape], device="cuda")
         params = _param_count(model)
         spec = batch_spec(n, 256, 768)
-        new = run_variant(f"{shape} {n}x1024 new", "trainer", model, spec, device="cuda",
-                          overrides=["train.device=cuda", "train.precision=bf16", "train.activation_checkpointing=true"])
+        new = run_variant(f"{shape} {n}x1024 new", "trainer", model, spec, device="cuda", overrides=new_overrides)
         plain = run_variant(f"{shape} {n}x1024 plain", "plain", model, spec, device="cuda")
         for r in (new, plain):
             if "tokens_per_s" in r:
                 r["mfu"] = 6 * params * r["tokens_per_s"] / (PEAK_TFLOPS * 1e12)
         results["runs"][f"{shape}x{n}"] = {"params": params, "new": new, "plain": plain,
-                                           "new_over_plain_tokens_per_s": ratio(new, plain, "tokens_per_s")}
-    lens = heavy_tailed(32, seed=1)
-    model = work / "0.5B"
-    mix = batch_spec(32, 256, lens)
-    grouped = run_variant("0.5B heavy-tailed new", "trainer", model, mix, device="cuda",
-                          overrides=["train.device=cuda", "train.precision=bf16", "train.activation_checkpointing=true",
-                                     "train.micro_batch_tokens=16384"])
-    padded = run_variant("0.5B heavy-tailed plain (padded)", "plain", model, mix, device="cuda")
-    results["heavy_tailed"] = {"lengths": lens, "new": grouped, "plain": padded,
-                               "plain_over_new_time": ratio(padded, grouped, "s_per_step")}
+                                           "new_over_plain_tokens_per_s": ratio(new, plain, "tokens_per_s"),
+                                           "new_over_plain_peak": ratio(new, plain, "peak_gib")}
+        save()
+    if in_budget("heavy_tailed"):
+        lens = heavy_tailed(32, seed=1)
+        model = work / "0.5B"
+        mix = batch_spec(32, 256, lens)
+        grouped = run_variant("0.5B heavy-tailed new", "trainer", model, mix, device="cuda",
+                              overrides=[*new_overrides, "train.micro_batch_tokens=16384"])
+        padded = run_variant("0.5B heavy-tailed plain (padded)", "plain", model, mix, device="cuda")
+        results["heavy_tailed"] = {"lengths": lens, "new": grouped, "plain": padded,
+                                   "plain_over_new_time": ratio(padded, grouped, "s_per_step")}
+    results["wall_s"] = time.perf_counter() - t_start
+    save()
+    return results
+
+
+KNOBS = [  # --knobs: where the new step's time goes against the plain one, at one shape
+    [],
+    ["train.logprob_chunk_tokens=2048"],
+    ["train.logprob_chunk_tokens=8192"],
+    ["train.logprob_chunk_tokens=2048", "train.micro_batch_tokens=0"],
+    ["train.logprob_chunk_tokens=2048", "train.activation_checkpointing=false"],
+]
+
+
+def knobs(args, out: Path) -> dict:
+    """The new step under each of KNOBS against the plain reference, 0.5B and 1.5B at 16 x 1,024."""
+    import torch
+
+    t_start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="trainer-scale-knobs-"))
+    results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": {}, "skipped": []}
+    base = ["train.device=cuda", "train.precision=bf16", "train.activation_checkpointing=true"]
+    for shape in ("0.5B", "1.5B"):
+        model = build_model(work / shape, GPU_SHAPES[shape], device="cuda")
+        spec = batch_spec(16, 256, 768)
+        rows = {"plain": run_variant(f"{shape} plain", "plain", model, spec, device="cuda")}
+        for extra in KNOBS:
+            name = " ".join(extra) or "defaults"
+            if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+                results["skipped"].append(f"{shape} {name}")
+                continue
+            rows[name] = run_variant(f"{shape} {name}", "trainer", model, spec, device="cuda", overrides=[*base, *extra])
+            rows[name]["over_plain_tokens_per_s"] = ratio(rows[name], rows["plain"], "tokens_per_s")
+            results["runs"][shape] = rows
+            out.write_text(json.dumps(results, indent=1))
+    results["wall_s"] = time.perf_counter() - t_start
+    out.write_text(json.dumps(results, indent=1))
     return results
 
 
@@ -358,6 +430,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--knobs", action="store_true", help="GPU: the new step's knobs against the plain step")
+    ap.add_argument("--budget-s", type=float, default=0.0, help="GPU: begin no run after this many seconds")
     ap.add_argument("--plot-only", action="store_true", help="redraw the CPU plot from the results file")
     args = ap.parse_args()
     if args.child:
@@ -365,7 +439,11 @@ def main() -> None:
         return
     out = Path(args.out or REPO / "bench" / "results" / ("trainer_scale_gpu.json" if args.gpu else "trainer_scale.json"))
     if not args.plot_only:
-        results = gpu(args) if args.gpu else cpu(args)
+        if args.knobs:
+            out = Path(args.out or REPO / "bench" / "results" / "trainer_scale_gpu_knobs.json")
+            knobs(args, out)
+            return
+        results = gpu(args, out) if args.gpu else cpu(args)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1))
         print(f"results: {out}")
