@@ -61,6 +61,7 @@ def main() -> int:
     ap.add_argument("--rows", nargs="+", default=["128x300", "32x1200"], help="BATCHxSTEPS per row")
     ap.add_argument("--heldout", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0, help="model.seed: the init and the SFT sample order")
+    ap.add_argument("--stop-loss", type=float, default=None, help="model.sft_stop_loss for every row")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "sft_schedule.json"))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -86,19 +87,20 @@ def main() -> int:
         for spec in args.rows:
             batch, steps = map(int, spec.split("x"))
             section = base.model.model_copy(update={"sft_batch_size": batch, "sft_steps": steps,
-                                                                "seed": args.seed})
+                                                                "seed": args.seed, "sft_stop_loss": args.stop_loss})
             model = build_model(tokenizer, section, Path(tmp))  # seeded: the same init for every row
             t0 = time.perf_counter()
             losses = warm_start(model, tokenizer, env, train, section)
-            row = {"batch": batch, "steps": steps, "samples_seen": batch * steps,
+            row = {"batch": batch, "steps": steps, "steps_run": len(losses), "samples_seen": batch * len(losses),
                    "seconds": time.perf_counter() - t0, "final_loss": sum(losses[-50:]) / len(losses[-50:]),
                    "sampled_accuracy": accuracy(model, tokenizer, env, heldout, greedy=False),
                    "greedy_accuracy": accuracy(model, tokenizer, env, heldout, greedy=True)}
             results.append(row)
-            print(f"batch {batch:>4} x {steps:>5} steps: loss {row['final_loss']:.3f}, sampled "
+            print(f"batch {batch:>4} x {steps:>5} steps (ran {len(losses)}): loss {row['final_loss']:.3f}, sampled "
                   f"{row['sampled_accuracy']:.3f}, greedy {row['greedy_accuracy']:.3f} ({row['seconds']:.0f}s)",
                   flush=True)
     write_results(args.out, {"recipe": "recipes/default.yaml", "heldout": len(heldout), "seed": args.seed,
+                             "stop_loss": args.stop_loss,
                                 "rows": results})
     return 0
 

@@ -55,7 +55,10 @@ class ModelSection(Section):
     intermediate_size: int = Field(704, gt=0)
     max_position: int = Field(256, gt=16)
     bpe_vocab_size: int = Field(300, ge=260, description="byte-level BPE vocab incl. 256 bytes")
-    sft_steps: int = Field(2400, ge=0, description="supervised warm-start steps")
+    sft_steps: int = Field(2400, ge=0, description="supervised warm-start steps (at most, with sft_stop_loss)")
+    sft_stop_loss: float | None = Field(
+        None, gt=0, description="end the warm start once the mean loss of its last 50 updates is at or below "
+        "this: a policy just off the loss plateau, with room left for RL, whatever the seed; unset: all sft_steps")
     sft_batch_size: int = Field(32, gt=0)
     sft_lr: float = Field(1e-3, gt=0)
     sft_examples: int = Field(20000, gt=0, description="training tasks used for the warm start")

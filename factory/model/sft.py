@@ -17,11 +17,13 @@ from pathlib import Path
 
 from factory.paths import models_dir
 
+STOP_WINDOW = 50  # updates whose mean loss model.sft_stop_loss is compared with
+
 
 def policy_fingerprint(recipe) -> str:
     """Everything the base policy depends on: the model and data sections and the environment prompt."""
     model = recipe.model.model_dump(mode="json")
-    for name in ("architecture", "num_kv_heads"):  # added later: at their defaults, cached Llamas keep their key
+    for name in ("architecture", "num_kv_heads", "sft_stop_loss"):  # added later: at their defaults, cached Llamas keep their key
         if model[name] == type(recipe.model).model_fields[name].default:
             del model[name]
     key = {
@@ -84,6 +86,9 @@ def warm_start(model, tokenizer, env, tasks, section, progress=None) -> list[flo
     reaches 4% sampled accuracy, batch 32 x 1200 steps 54-60% (two seeds), batch 16 x 2400 21%.
     The loss sits on a plateau and drops sharply after ~800 updates, so the number of updates,
     not the samples seen, is what buys accuracy; a constant rate and a 3x higher rate were worse.
+    How long the plateau lasts depends on the seed (1,200 updates left two of three seeds on it), and
+    once off it the policy soon knows its training questions (2,400 updates: 98% sampled, nothing left
+    for RL), so `section.sft_stop_loss` ends the warm start just past the drop.
     """
     import math
 
@@ -111,6 +116,9 @@ def warm_start(model, tokenizer, env, tasks, section, progress=None) -> list[flo
         losses.append(out.loss.item())
         if progress:
             progress(step + 1, section.sft_steps, losses[-1])
+        if section.sft_stop_loss is not None and len(losses) >= STOP_WINDOW \
+                and sum(losses[-STOP_WINDOW:]) / STOP_WINDOW <= section.sft_stop_loss:
+            break
     model.eval()
     return losses
 
@@ -168,6 +176,7 @@ def ensure_base_policy(recipe, progress=None) -> Path:
         "fingerprint": policy_fingerprint(recipe),
         "architecture": recipe.model.architecture,
         "sft_steps": recipe.model.sft_steps,
+        "sft_steps_run": len(losses),
         "final_loss": losses[-1] if losses else None,
         "loss_curve": losses,
         "parameters": sum(p.numel() for p in model.parameters()),
