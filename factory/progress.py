@@ -35,7 +35,7 @@ class RunProgress:
         if self.sft_bar is None:
             self.sft.start()
             self.sft_bar = self.sft.add_task("sft", total=total, loss=loss)
-        self.sft.update(self.sft_bar, completed=done, loss=loss)
+        self.sft.update(self.sft_bar, completed=done, total=total, loss=loss)  # total shrinks on an early stop
         if done == total:
             self.sft.stop()
 

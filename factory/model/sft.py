@@ -118,6 +118,8 @@ def warm_start(model, tokenizer, env, tasks, section, progress=None) -> list[flo
             progress(step + 1, section.sft_steps, losses[-1])
         if section.sft_stop_loss is not None and len(losses) >= STOP_WINDOW \
                 and sum(losses[-STOP_WINDOW:]) / STOP_WINDOW <= section.sft_stop_loss:
+            if progress:  # done: the bar ends here, at the updates it took
+                progress(step + 1, step + 1, losses[-1])
             break
     model.eval()
     return losses

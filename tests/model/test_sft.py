@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
     return tok, env, tasks, out
 
 
-def _warm(tiny, **section):
+def _warm(tiny, progress=None, **section):
     import torch
 
     from factory.model.sft import warm_start
@@ -32,7 +32,7 @@ def _warm(tiny, **section):
     shape = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, sft_batch_size=8)
     model = build_model(tok, ModelSection(**shape, **section), out)
     torch.manual_seed(0)
-    return warm_start(model, tok, env, tasks, ModelSection(**shape, **section))
+    return warm_start(model, tok, env, tasks, ModelSection(**shape, **section), progress)
 
 
 def test_the_warm_start_stops_once_its_recent_mean_loss_reaches_the_target(tiny):
@@ -41,7 +41,9 @@ def test_the_warm_start_stops_once_its_recent_mean_loss_reaches_the_target(tiny)
     full = _warm(tiny, sft_steps=120)
     assert len(full) == 120
     # a target above every loss stops at the first full window; one below every loss never stops
-    assert len(_warm(tiny, sft_steps=120, sft_stop_loss=1e6)) == STOP_WINDOW
+    seen = []
+    assert len(_warm(tiny, sft_steps=120, sft_stop_loss=1e6, progress=lambda *a: seen.append(a[:2]))) == STOP_WINDOW
+    assert seen[-2:] == [(STOP_WINDOW, 120), (STOP_WINDOW, STOP_WINDOW)]  # the progress bar ends where it stopped
     assert len(_warm(tiny, sft_steps=120, sft_stop_loss=1e-9)) == 120
     # a target the curve reaches midway: stops at the first update whose window mean is at or below it
     target = sum(full[60 - STOP_WINDOW:60]) / STOP_WINDOW
