@@ -10,7 +10,7 @@ from factory.recipe import ModelSection, recipe_from_dict
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from factory.envs.base import make_environment
-    from factory.model.tiny import build_model, build_tokenizer
+    from factory.model.tiny import build_tokenizer
     from factory.types import Task
 
     recipe = recipe_from_dict({})
