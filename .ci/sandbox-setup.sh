@@ -31,7 +31,15 @@ fi
 if ! docker info >/dev/null 2>&1; then
   log=/tmp/factory-dockerd.log
   echo "sandbox-setup: starting dockerd (log: $log)"
-  setsid nohup dockerd >"$log" 2>&1 </dev/null &
+  # without the caller's descriptors above 2: under `flock`, dockerd inherited the lock and held it
+  # for as long as it ran, so the next locked job waited for ever
+  (
+    for fd in /proc/$BASHPID/fd/*; do
+      n=${fd##*/}
+      [ "$n" -gt 2 ] 2>/dev/null && eval "exec $n>&-" 2>/dev/null
+    done
+    exec setsid nohup dockerd >"$log" 2>&1 </dev/null
+  ) &
   for _ in $(seq 1 60); do
     docker info >/dev/null 2>&1 && break
     sleep 0.5
