@@ -27,7 +27,7 @@ backward pass), activation checkpointing on GPU, AdamW (fused on GPU).
 On a GPU machine with only torch and transformers: `pip install pydantic httpx` (factory.recipe needs
 them), `PYTHONPATH=<this repository>`; `--budget-s S` begins no run after S seconds and each finished
 run is written at once, so a short lease keeps what it measured.
-Results: bench/results/trainer_scale.json (or trainer_scale_gpu.json).
+Results: bench/results/trainer_scale.json (or trainer_scale_gpu.json), a plot beside each.
 """
 
 from __future__ import annotations
@@ -298,58 +298,64 @@ def cpu(args) -> dict:
     return results
 
 
-def gpu(args, out: Path) -> dict:
-    """Each run is written to `out` as it finishes, and runs not begun by `--budget-s` are skipped (and
-    named), so a lease that ends early still leaves what was measured."""
-    import torch
+GPU_NEW = ["train.device=cuda", "train.precision=bf16", "train.activation_checkpointing=true"]  # the trainer's GPU step
 
-    print("trainer scale, GPU (Qwen2.5 shapes, random init)", flush=True)
-    t_start = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="trainer-scale-gpu-"))
-    results: dict = {"peak_tflops": PEAK_TFLOPS, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                     "runs": {}, "skipped": []}
 
-    def save() -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=1))
+class Lease:
+    """A GPU run's results, written to `out` after every run, and the `--budget-s` after which no run
+    begins (those are named in `skipped`): a lease that ends early still leaves what was measured."""
 
-    def in_budget(name: str) -> bool:
-        if args.budget_s and time.perf_counter() - t_start > args.budget_s:
-            results["skipped"].append(name)
-            save()
+    def __init__(self, args, out: Path):
+        import torch
+
+        self.out, self.budget_s, self.t0 = out, args.budget_s, time.perf_counter()
+        self.results: dict = {"peak_tflops": PEAK_TFLOPS, "device": torch.cuda.get_device_name(0),
+                              "torch": torch.__version__, "runs": {}, "skipped": []}
+        self.work = Path(tempfile.mkdtemp(prefix="trainer-scale-gpu-"))
+
+    def begins(self, name: str) -> bool:
+        if self.budget_s and time.perf_counter() - self.t0 > self.budget_s:
+            self.results["skipped"].append(name)
+            self.save()
             return False
         return True
 
-    new_overrides = ["train.device=cuda", "train.precision=bf16", "train.activation_checkpointing=true"]
+    def save(self) -> dict:
+        self.results["wall_s"] = time.perf_counter() - self.t0
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(self.results, indent=1))
+        return self.results
+
+
+def gpu(args, out: Path) -> dict:
+    print("trainer scale, GPU (Qwen2.5 shapes, random init)", flush=True)
+    lease = Lease(args, out)
     for shape, n in GPU_RUNS:
-        if not in_budget(f"{shape}x{n}"):
+        if not lease.begins(f"{shape}x{n}"):
             continue
-        model = work / shape
+        model = lease.work / shape
         if not model.is_dir():
             build_model(model, GPU_SHAPES[shape], device="cuda")
         params = _param_count(model)
         spec = batch_spec(n, 256, 768)
-        new = run_variant(f"{shape} {n}x1024 new", "trainer", model, spec, device="cuda", overrides=new_overrides)
+        new = run_variant(f"{shape} {n}x1024 new", "trainer", model, spec, device="cuda", overrides=GPU_NEW)
         plain = run_variant(f"{shape} {n}x1024 plain", "plain", model, spec, device="cuda")
         for r in (new, plain):
             if "tokens_per_s" in r:
                 r["mfu"] = 6 * params * r["tokens_per_s"] / (PEAK_TFLOPS * 1e12)
-        results["runs"][f"{shape}x{n}"] = {"params": params, "new": new, "plain": plain,
-                                           "new_over_plain_tokens_per_s": ratio(new, plain, "tokens_per_s"),
-                                           "new_over_plain_peak": ratio(new, plain, "peak_gib")}
-        save()
-    if in_budget("heavy_tailed"):
+        lease.results["runs"][f"{shape}x{n}"] = {"params": params, "new": new, "plain": plain,
+                                                 "new_over_plain_tokens_per_s": ratio(new, plain, "tokens_per_s"),
+                                                 "new_over_plain_peak": ratio(new, plain, "peak_gib")}
+        lease.save()
+    if lease.begins("heavy_tailed"):
         lens = heavy_tailed(32, seed=1)
-        model = work / "0.5B"
         mix = batch_spec(32, 256, lens)
-        grouped = run_variant("0.5B heavy-tailed new", "trainer", model, mix, device="cuda",
-                              overrides=[*new_overrides, "train.micro_batch_tokens=16384"])
-        padded = run_variant("0.5B heavy-tailed plain (padded)", "plain", model, mix, device="cuda")
-        results["heavy_tailed"] = {"lengths": lens, "new": grouped, "plain": padded,
-                                   "plain_over_new_time": ratio(padded, grouped, "s_per_step")}
-    results["wall_s"] = time.perf_counter() - t_start
-    save()
-    return results
+        grouped = run_variant("0.5B heavy-tailed new", "trainer", lease.work / "0.5B", mix, device="cuda",
+                              overrides=[*GPU_NEW, "train.micro_batch_tokens=16384"])
+        padded = run_variant("0.5B heavy-tailed plain (padded)", "plain", lease.work / "0.5B", mix, device="cuda")
+        lease.results["heavy_tailed"] = {"lengths": lens, "new": grouped, "plain": padded,
+                                         "plain_over_new_time": ratio(padded, grouped, "s_per_step")}
+    return lease.save()
 
 
 KNOBS = [  # --knobs: where the new step's time goes against the plain one, at one shape
@@ -363,28 +369,39 @@ KNOBS = [  # --knobs: where the new step's time goes against the plain one, at o
 
 def knobs(args, out: Path) -> dict:
     """The new step under each of KNOBS against the plain reference, 0.5B and 1.5B at 16 x 1,024."""
-    import torch
-
-    t_start = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="trainer-scale-knobs-"))
-    results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": {}, "skipped": []}
-    base = ["train.device=cuda", "train.precision=bf16", "train.activation_checkpointing=true"]
+    lease = Lease(args, out)
     for shape in ("0.5B", "1.5B"):
-        model = build_model(work / shape, GPU_SHAPES[shape], device="cuda")
+        model = build_model(lease.work / shape, GPU_SHAPES[shape], device="cuda")
         spec = batch_spec(16, 256, 768)
-        rows = {"plain": run_variant(f"{shape} plain", "plain", model, spec, device="cuda")}
+        rows = lease.results["runs"][shape] = {"plain": run_variant(f"{shape} plain", "plain", model, spec, device="cuda")}
         for extra in KNOBS:
             name = " ".join(extra) or "defaults"
-            if args.budget_s and time.perf_counter() - t_start > args.budget_s:
-                results["skipped"].append(f"{shape} {name}")
-                continue
-            rows[name] = run_variant(f"{shape} {name}", "trainer", model, spec, device="cuda", overrides=[*base, *extra])
-            rows[name]["over_plain_tokens_per_s"] = ratio(rows[name], rows["plain"], "tokens_per_s")
-            results["runs"][shape] = rows
-            out.write_text(json.dumps(results, indent=1))
-    results["wall_s"] = time.perf_counter() - t_start
-    out.write_text(json.dumps(results, indent=1))
-    return results
+            if lease.begins(f"{shape} {name}"):
+                rows[name] = run_variant(f"{shape} {name}", "trainer", model, spec, device="cuda", overrides=[*GPU_NEW, *extra])
+                rows[name]["over_plain_tokens_per_s"] = ratio(rows[name], rows["plain"], "tokens_per_s")
+                lease.save()
+    return lease.save()
+
+
+def plot_gpu(results: dict, out: Path) -> None:
+    """Seconds per step and peak GPU memory, trainer against plain, per shape x batch (bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(name, r) for name, r in results["runs"].items() if "s_per_step" in r["new"] and "s_per_step" in r["plain"]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    x = range(len(runs))
+    for ax, key, label in ((axes[0], "s_per_step", "seconds per step"), (axes[1], "peak_gib", "peak GPU memory (GiB)")):
+        ax.bar([i - 0.2 for i in x], [r["new"][key] for _, r in runs], 0.4, label="trainer (defaults)", color="tab:blue")
+        ax.bar([i + 0.2 for i in x], [r["plain"][key] for _, r in runs], 0.4, label="plain bf16 step", color="tab:orange")
+        ax.set_xticks(list(x), [n.replace("x", " x ") + " x 1,024" for n, _ in runs], rotation=20)
+        ax.set_title(label)
+    axes[0].legend()
+    fig.suptitle(f"trainer step on {results.get('device', 'one GPU')}, vocabulary {VOCAB:,}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
 
 
 def plot(results: dict, out: Path) -> None:
@@ -432,7 +449,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--knobs", action="store_true", help="GPU: the new step's knobs against the plain step")
     ap.add_argument("--budget-s", type=float, default=0.0, help="GPU: begin no run after this many seconds")
-    ap.add_argument("--plot-only", action="store_true", help="redraw the CPU plot from the results file")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from the results file (with --gpu: the GPU one)")
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -440,16 +457,16 @@ def main() -> None:
     out = Path(args.out or REPO / "bench" / "results" / ("trainer_scale_gpu.json" if args.gpu else "trainer_scale.json"))
     if not args.plot_only:
         if args.knobs:
-            out = Path(args.out or REPO / "bench" / "results" / "trainer_scale_gpu_knobs.json")
-            knobs(args, out)
+            knobs(args, Path(args.out or REPO / "bench" / "results" / "trainer_scale_gpu_knobs.json"))
             return
-        results = gpu(args, out) if args.gpu else cpu(args)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=1))
+        if args.gpu:
+            gpu(args, out)
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(cpu(args), indent=1))
         print(f"results: {out}")
-    if not args.gpu:
-        plot(json.loads(out.read_text()), out.with_suffix(".png"))
-        print(f"plot: {out.with_suffix('.png')}")
+    (plot_gpu if args.gpu else plot)(json.loads(out.read_text()), out.with_suffix(".png"))
+    print(f"plot: {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
