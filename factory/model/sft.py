@@ -15,7 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
-from factory.paths import models_dir
+from factory.paths import exclusive, models_dir
 
 STOP_WINDOW = 50  # updates whose mean loss model.sft_stop_loss is compared with
 
@@ -153,14 +153,24 @@ def ensure_base_policy(recipe, progress=None) -> Path:
     out = cached_policy_dir(recipe)
     if (out / "sft.json").is_file():
         return out
+    # one build at a time per policy: processes that need it together (a sweep's runs, parallel test
+    # workers) wait for the first, then find it published
+    with exclusive(out.with_name(f".{out.name}.lock")):
+        if not (out / "sft.json").is_file():
+            _build_base_policy(recipe, out, progress)
+    return out
+
+
+def _build_base_policy(recipe, out: Path, progress) -> None:
     import torch
 
     from factory.data.tasks import ReasoningGymSource
     from factory.envs.base import make_environment
     from factory.model.tiny import build_model, build_tokenizer
 
-    # a build dir of this process's own: two runs of one recipe started together (a sweep, a test
-    # beside a run) each build, and the first to finish publishes (seen: a shared dir got mixed files)
+    # a build dir of this process's own, published by one rename: a crash mid-build leaves no half-made
+    # policy, and builders the lock cannot reach (another machine, a filesystem without flock) cannot
+    # mix their files (seen before the lock: a shared dir got mixed files); the first to finish publishes
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -189,4 +199,3 @@ def ensure_base_policy(recipe, progress=None) -> Path:
         tmp.rename(out)  # atomic publish: a crash mid-build never leaves a half-made cached policy
     except OSError:  # another process published the same policy first (the same recipe, the same result)
         shutil.rmtree(tmp, ignore_errors=True)
-    return out

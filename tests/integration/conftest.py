@@ -94,13 +94,18 @@ def _offline():
 
 
 def actor_pids(class_name: str) -> list[int]:
-    """The pids of this machine's live Ray actor processes of `class_name` (Ray titles them
-    `ray::<class>...`); the suite runs one run at a time, so these are the running run's."""
+    """The pids of the live Ray actor processes of `class_name` (Ray titles them `ray::<class>...`) in
+    this test process's own local Ray (its raylet is our child, the actors its children): the suite runs
+    one run at a time, so these are the running run's. Other Ray clusters on the machine (another test
+    session, a user's run) are not counted, nor killed by the tests that kill what this returns."""
     import psutil
 
     pids = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if cmd.startswith(f"ray::{class_name}") and p.info["status"] != psutil.STATUS_ZOMBIE:
-            pids.append(p.pid)
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            if cmd.startswith(f"ray::{class_name}") and p.status() != psutil.STATUS_ZOMBIE:
+                pids.append(p.pid)
+        except psutil.Error:  # gone meanwhile
+            continue
     return pids

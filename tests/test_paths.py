@@ -1,0 +1,53 @@
+"""`factory.paths.exclusive`: processes that would build the same thing under the state dir take turns,
+and a holder that dies releases the lock."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+
+from factory.paths import exclusive
+
+
+def _hold(lock: Path, log: Path, seconds: float) -> None:
+    with exclusive(lock):
+        with open(log, "a") as f:
+            f.write(f"enter {os.getpid()} {time.monotonic()}\n")
+        time.sleep(seconds)
+        with open(log, "a") as f:
+            f.write(f"leave {os.getpid()} {time.monotonic()}\n")
+
+
+def test_two_processes_take_turns(tmp_path):
+    lock, log = tmp_path / "sub" / ".thing.lock", tmp_path / "log"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_hold, args=(lock, log, 0.5)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    events = [line.split() for line in log.read_text().splitlines()]
+    # enter, leave of one process, then enter, leave of the other: never both inside
+    assert [e[0] for e in events] == ["enter", "leave", "enter", "leave"], events
+    assert events[0][1] == events[1][1] and events[2][1] == events[3][1] != events[0][1]
+    assert float(events[2][2]) >= float(events[1][2])
+
+
+def test_a_killed_holder_releases_the_lock(tmp_path):
+    lock, log = tmp_path / ".thing.lock", tmp_path / "log"
+    holder = mp.get_context("spawn").Process(target=_hold, args=(lock, log, 600))
+    holder.start()
+    deadline = time.monotonic() + 60
+    while not (log.exists() and log.read_text()):
+        assert time.monotonic() < deadline, "the holder never took the lock"
+        time.sleep(0.05)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(30)
+    t0 = time.monotonic()
+    with exclusive(lock):
+        waited = time.monotonic() - t0
+    assert waited < 30  # the dead holder's lock went with its process, not after its 600 s
