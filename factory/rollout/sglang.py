@@ -114,7 +114,10 @@ class SGLangServer(ServerProcess):
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path) if log_path else cache_dir() / f"sglang-{self.port}.log"
-        cpu_args = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule"]
+        # --sleep-on-idle: an idle scheduler waits on its sockets (woken by any request) instead of
+        # polling them flat out, which held one of the cores the trainer shares for the server's life
+        cpu_args = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
+                    "--sleep-on-idle"]
         tokens = kv_tokens(model, dtype, kv_cache_gb)
         self.args = [
             self.python, "-m", "sglang.launch_server",
