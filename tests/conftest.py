@@ -124,7 +124,7 @@ def sglang_engine(tmp_path_factory):
         _stop_sglang()
 
 
-# SGLang's scheduler polls a core flat out even when idle: the shared server must not outlive its tests.
+# The shared server (~2 GB; before --sleep-on-idle its idle scheduler also held a core) must not outlive its tests.
 # Its users run back to back (collection order), and it stops after the last one, not at session end.
 _SGLANG: dict = {}
 
