@@ -5,10 +5,8 @@ continues from the latest one — so a relaunch after a crash, by hand or by the
 resumes the same run directory, lake partition and MLflow run.
 """
 
-import fcntl
 import json
-import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from collections.abc import Iterator
 
@@ -16,6 +14,7 @@ import dagster as dg
 from pydantic import Field
 
 from assets.policy import base_policy
+from factory import paths
 from assets.sandboxes import sandbox_image
 from assets.resources import LakeResource, ProgressResource, RayResource, TrackingResource
 from assets.runs import (
@@ -53,18 +52,11 @@ class RLRunConfig(dg.Config):
 @contextmanager
 def exclusive(directory: Path) -> Iterator[None]:
     """Hold a lock on the run directory: two processes must never train into one run."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "a+") as handle:
+    with ExitStack() as stack:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            raise user_error(f"{directory}: another process is training this run "
-                             f"(pid {handle.read().strip() or '?'})") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
+            stack.enter_context(paths.exclusive(directory / ".lock", wait=False))
+        except paths.Locked as held:
+            raise user_error(f"{directory}: another process is training this run (pid {held.holder})") from None
         yield
 
 

@@ -33,17 +33,34 @@ def _sub(name: str) -> Path:
     return path
 
 
+class Locked(RuntimeError):
+    """`exclusive(..., wait=False)` found the lock held; `holder`: the pid it wrote, or "?"."""
+
+    def __init__(self, lock_path: Path, holder: str):
+        super().__init__(f"{lock_path} is held by pid {holder}")
+        self.holder = holder
+
+
 @contextmanager
-def exclusive(lock_path: Path):
-    """Hold an exclusive lock on `lock_path` (created if missing) while the block runs: processes that
-    would build the same thing under the state dir (a sweep's runs, parallel test workers) take turns,
-    and the later ones find it built. An advisory `flock`: it is released if the holder dies."""
+def exclusive(lock_path: Path, wait: bool = True):
+    """Hold an exclusive lock on `lock_path` (created if missing, the holder's pid written in it) while
+    the block runs. `wait`: take turns (processes that would build the same thing under the state dir,
+    a sweep's runs or two test sessions, wait and then find it built); else raise `Locked` at once (two
+    processes must never train into one run). An advisory `flock`: it is released if the holder dies."""
     import fcntl
 
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with open(lock_path, "a+") as handle:
         try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            handle.seek(0)
+            raise Locked(lock_path, handle.read().strip() or "?") from None
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)

@@ -51,3 +51,33 @@ def test_a_killed_holder_releases_the_lock(tmp_path):
     with exclusive(lock):
         waited = time.monotonic() - t0
     assert waited < 30  # the dead holder's lock went with its process, not after its 600 s
+
+
+def test_without_wait_a_held_lock_is_refused_naming_its_holder(tmp_path):
+    from assets.training import exclusive as run_lock
+    from factory.paths import Locked
+
+    lock, log = tmp_path / ".lock", tmp_path / "log"
+    holder = mp.get_context("spawn").Process(target=_hold, args=(lock, log, 600))
+    holder.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and log.read_text()):
+            assert time.monotonic() < deadline, "the holder never took the lock"
+            time.sleep(0.05)
+        try:
+            with exclusive(lock, wait=False):
+                raise AssertionError("took a held lock")
+        except Locked as held:
+            assert held.holder == str(holder.pid)
+        # a run directory's lock (the rl_run asset): the same refusal, as one line for the user
+        try:
+            with run_lock(tmp_path):
+                raise AssertionError("trained into a run another process holds")
+        except Exception as err:  # noqa: BLE001  (dagster's Failure)
+            assert f"another process is training this run (pid {holder.pid})" in str(err), err
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join(30)
+    with exclusive(lock, wait=False):  # free again once its holder is gone
+        assert lock.read_text() == str(os.getpid())

@@ -153,8 +153,8 @@ def ensure_base_policy(recipe, progress=None) -> Path:
     out = cached_policy_dir(recipe)
     if (out / "sft.json").is_file():
         return out
-    # one build at a time per policy: processes that need it together (a sweep's runs, parallel test
-    # workers) wait for the first, then find it published
+    # one build at a time per policy: processes that need it together (a sweep's runs, two test
+    # sessions) wait for the first, then find it published
     with exclusive(out.with_name(f".{out.name}.lock")):
         if not (out / "sft.json").is_file():
             _build_base_policy(recipe, out, progress)
