@@ -42,20 +42,26 @@ class Locked(RuntimeError):
 
 
 @contextmanager
-def exclusive(lock_path: Path, wait: bool = True):
+def exclusive(lock_path: Path, wait: bool = True, on_wait=None):
     """Hold an exclusive lock on `lock_path` (created if missing, the holder's pid written in it) while
     the block runs. `wait`: take turns (processes that would build the same thing under the state dir,
     a sweep's runs or two test sessions, wait and then find it built); else raise `Locked` at once (two
-    processes must never train into one run). An advisory `flock`: it is released if the holder dies."""
+    processes must never train into one run). `on_wait(holder_pid)` is called once if the lock is held
+    when asked for (say who is being waited for). An advisory `flock`: released if the holder dies."""
     import fcntl
 
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a+") as handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
-            raise Locked(lock_path, handle.read().strip() or "?") from None
+            holder = handle.read().strip() or "?"
+            if not wait:
+                raise Locked(lock_path, holder) from None
+            if on_wait is not None:
+                on_wait(holder)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             handle.seek(0)
             handle.truncate()

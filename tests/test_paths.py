@@ -21,6 +21,21 @@ def _hold(lock: Path, log: Path, seconds: float) -> None:
             f.write(f"leave {os.getpid()} {time.monotonic()}\n")
 
 
+def test_a_waiter_is_told_who_holds_the_lock(tmp_path):
+    lock, log = tmp_path / ".thing.lock", tmp_path / "log"
+    holder = mp.get_context("spawn").Process(target=_hold, args=(lock, log, 1.0))
+    holder.start()
+    deadline = time.monotonic() + 60
+    while not (log.exists() and log.read_text()):
+        assert time.monotonic() < deadline, "the holder never took the lock"
+        time.sleep(0.05)
+    told: list[str] = []
+    with exclusive(lock, on_wait=told.append):
+        assert "leave" in log.read_text()  # entered only after the holder left
+    holder.join(30)
+    assert told == [str(holder.pid)]
+
+
 def test_two_processes_take_turns(tmp_path):
     lock, log = tmp_path / "sub" / ".thing.lock", tmp_path / "log"
     ctx = mp.get_context("spawn")

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -155,7 +156,10 @@ def ensure_base_policy(recipe, progress=None) -> Path:
         return out
     # one build at a time per policy: processes that need it together (a sweep's runs, two test
     # sessions) wait for the first, then find it published
-    with exclusive(out.with_name(f".{out.name}.lock")):
+    def waiting(holder: str) -> None:
+        print(f"waiting for pid {holder}, which is building the base policy {out.name}", file=sys.stderr, flush=True)
+
+    with exclusive(out.with_name(f".{out.name}.lock"), on_wait=waiting):
         if not (out / "sft.json").is_file():
             _build_base_policy(recipe, out, progress)
     return out
