@@ -7,6 +7,34 @@ ids are the first prompt's ids, then each reply's ids, then only the *new* messa
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+# Tokenizer classes that are the tokenizers library's tokenizer.json and nothing more (no model-specific
+# Python): transformers 5's backend and its v4 name. Our built policies and e.g. Llama 3 save these.
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The tokenizer of `model_dir`, as AutoTokenizer would load it, without importing torch when it can.
+
+    AutoTokenizer imports transformers' configuration and generation modules, which import torch:
+    ~5 CPU-s in a process that only tokenizes (an env worker, started for every run). A directory whose
+    tokenizer_config names a generic class loads through that class directly (~1 s, no torch); any other
+    (a model-specific class, remote code, no config) goes through AutoTokenizer, unchanged."""
+    config = Path(model_dir) / "tokenizer_config.json"
+    try:
+        cfg = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cfg = {}
+    if cfg.get("tokenizer_class") in GENERIC_TOKENIZERS and "auto_map" not in cfg:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(model_dir))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
     return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,

@@ -434,17 +434,16 @@ class EnvWorkerActor(Placed):
         from factory.lean_imports import transformers_without_sklearn
 
         transformers_without_sklearn()
-        from transformers import AutoTokenizer
-
         from factory.envs.base import make_environment
         from factory.failures import FailureLog
+        from factory.model.tokens import load_tokenizer
         from factory.recipe import DeadlinesSection, FailuresSection
         from factory.rollout.engine import SamplingParams
         from factory.rollout.engines import support_k
         from factory.rollout.episodes import EpisodeRunner
         from factory.rollout.gateway import Gateway
 
-        tokenizer = AutoTokenizer.from_pretrained(local_dir(model, "env worker tokenizer"))
+        tokenizer = load_tokenizer(local_dir(model, "env worker tokenizer"))  # without torch: ~4 CPU-s a run
         defaults = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                                   top_p=rollout.top_p, top_k=rollout.top_k, min_new_tokens=rollout.min_new_tokens,
                                   support_k=support_k(rollout))

@@ -122,3 +122,47 @@ def test_qwen2_is_built_with_biases_gqa_and_tied_embeddings_and_exports_each_wei
 
     saved = load_file(str(trainer.save_hf(tmp_path / "out") / "model.safetensors"))
     assert set(saved) == set(names)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_load_tokenizer_reads_a_generic_tokenizer_as_autotokenizer_does(architecture, tmp_path):
+    """The env worker's lean loader (no torch) gives the ids, specials and template AutoTokenizer gives."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from factory.model.tokens import load_tokenizer
+
+    build_tokenizer(TEXTS, 320, tmp_path, architecture)
+    lean, auto = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    assert type(lean) is type(auto)
+    assert (lean.eos_token_id, lean.pad_token_id, lean.all_special_ids) == (auto.eos_token_id, auto.pad_token_id,
+                                                                            auto.all_special_ids)
+    first = [{"role": "user", "content": "Calculate 12 * 34."}]
+    turn = [{"role": "assistant", "content": CALL}]
+    more = [{"role": "tool", "content": "408"}]
+    for tok in (lean, auto):
+        assert encode_chat(tok, first, tools=TOOLS) == encode_chat(auto, first, tools=TOOLS)
+        assert encode_continuation(tok, first + turn, more, TOOLS) == encode_continuation(auto, first + turn, more, TOOLS)
+    ids = encode_chat(auto, first + turn, add_generation_prompt=False)
+    assert lean.decode(ids) == auto.decode(ids)
+
+
+def test_load_tokenizer_needs_no_torch_and_leaves_other_classes_to_autotokenizer(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from factory.model.tokens import load_tokenizer
+
+    build_tokenizer(TEXTS, 320, tmp_path, "qwen2")
+    code = ("import sys; from factory.model.tokens import load_tokenizer; "
+            f"t = load_tokenizer({str(tmp_path)!r}); print(t.eos_token_id, 'torch' in sys.modules)")
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, cwd=repo)
+    assert out.stdout.split()[-1] == "False", out.stdout  # the tokenizer loaded without importing torch
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"tokenizer_class": "Qwen2Tokenizer"}))
+    assert type(load_tokenizer(tmp_path)).__name__ == "Qwen2Tokenizer"  # a model's own class: AutoTokenizer's
