@@ -53,6 +53,23 @@ def test_the_warm_start_stops_once_its_recent_mean_loss_reaches_the_target(tiny)
     assert len(stopped) == STOP_WINDOW + next(i for i, m in enumerate(means) if m <= target) <= 60
 
 
+def test_the_warm_start_uses_every_core_then_gives_the_thread_count_back(tiny):
+    """A process left on one thread (a trainer in it set one) still warm-starts on all its cores."""
+    import os
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        during: list[int] = []
+        _warm(tiny, sft_steps=3, progress=lambda *_: during.append(torch.get_num_threads()))
+        assert during == [len(os.sched_getaffinity(0))] * 3
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_stop_target_keys_the_cached_policy_only_when_set():
     from factory.model.sft import policy_fingerprint
 
