@@ -85,6 +85,8 @@ class VLLMServer(ServerProcess):
             self.env.update({
                 "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the trainer, don't pin
+                # the model-class inspection in the server's process, not a fresh one (vllm_site/)
+                "FACTORY_VLLM_INSPECT_IN_PROCESS": "1",
             })
             if uni:
                 self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # only lets the CPU backend keep "uni" (above)

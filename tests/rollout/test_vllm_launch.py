@@ -3,6 +3,8 @@ error when the model is not on this node."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from factory.rollout.vllm import AttachedServer, EngineStartError, VLLMServer
@@ -17,9 +19,11 @@ def model_dir(tmp_path):
 def test_cpu_launch_carries_the_cpu_backend_settings_and_a_gpu_launch_drops_them(model_dir):
     cpu = VLLMServer(str(model_dir), device="cpu", port=1234)
     assert "--enforce-eager" in cpu.args and cpu.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert cpu.env["FACTORY_VLLM_INSPECT_IN_PROCESS"] == "1"
     assert cpu.args[cpu.args.index("--host") + 1] == "127.0.0.1" and cpu.url == "http://127.0.0.1:1234"
     gpu = VLLMServer(str(model_dir), device="cuda", port=1234, host="10.0.0.5")
     assert "--enforce-eager" not in gpu.args
+    assert "FACTORY_VLLM_INSPECT_IN_PROCESS" not in gpu.env  # with CUDA, vLLM's own subprocess inspection
     assert not {k for k in gpu.env if k.startswith("VLLM_CPU_")} - {k for k in __import__("os").environ}
     assert gpu.args[gpu.args.index("--host") + 1] == "10.0.0.5" and gpu.url == "http://10.0.0.5:1234"
     # both keep what weight sync and partial rollouts need
@@ -35,3 +39,17 @@ def test_a_model_missing_on_this_node_is_named_before_anything_starts(tmp_path):
 def test_attaching_where_nothing_answers_says_how_to_start_an_engine():
     with pytest.raises(EngineStartError, match=r"no vLLM server answers at http://127.0.0.1:9 .*factory serve"):
         AttachedServer("http://127.0.0.1:9/").check(timeout_s=2)
+
+
+def test_a_cpu_server_inspects_model_classes_in_its_own_process(model_dir):
+    """vllm_site/ makes the model registry's inspection run in the calling process for a CPU launch
+    (vLLM runs it in a fresh Python process, which re-imports vLLM and torch: ~12 s of a first start).
+    The environment is the one a CPU launch gets; unpatched, the pid printed would be another's."""
+    import subprocess
+
+    env = VLLMServer(str(model_dir), device="cpu", port=1234).env
+    code = ("import os; from vllm.model_executor.models import registry; "
+            "print(registry._run_in_subprocess(lambda: os.getpid()) == os.getpid())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"

@@ -9,6 +9,12 @@ Patched when the module is first imported, in each process. (Those queues join t
 worker processes: a CPU server started by `VLLMServer` runs its one worker inside the engine core,
 "uni", and has none; a server with several workers, or one started with other arguments, does.)
 
+On CPU servers (FACTORY_VLLM_INSPECT_IN_PROCESS=1, set by `VLLMServer` for device "cpu") vLLM's model
+registry inspects a model class in the server's own process. vLLM runs that inspection in a fresh
+Python process so as not to initialise CUDA in the API server; without CUDA that process only
+re-imports vLLM and torch: ~12 s of the first start of each architecture in a cache dir (a test
+session's, a fresh clone's, a node's), before vLLM caches the result (VLLM_CACHE_ROOT/modelinfos).
+
 It also adds routes to the API server (factory_routes.py): `/factory/v1/generate_batch`, the
 token endpoint for many prompts in one HTTP request, for inflight partial rollouts, and
 `/factory/v1/update_weights`, a weight load and the prefix-cache reset in one request.
@@ -16,6 +22,7 @@ token endpoint for many prompts in one HTTP request, for inflight partial rollou
 
 import importlib.abc
 import importlib.util
+import os
 import sys
 
 
@@ -38,9 +45,15 @@ def _patch_routes(module) -> None:
     module.attach_router = attach_router
 
 
+def _patch_inspection(module) -> None:
+    if os.environ.get("FACTORY_VLLM_INSPECT_IN_PROCESS") == "1":
+        module._run_in_subprocess = lambda fn: fn()
+
+
 _PATCHES = {
     "vllm.distributed.device_communicators.shm_broadcast": _patch_spin,
     "vllm.entrypoints.scale_out.token_in_token_out.api_router": _patch_routes,
+    "vllm.model_executor.models.registry": _patch_inspection,
 }
 
 
