@@ -21,14 +21,20 @@ def _hold(lock: Path, log: Path, seconds: float) -> None:
             f.write(f"leave {os.getpid()} {time.monotonic()}\n")
 
 
-def test_a_waiter_is_told_who_holds_the_lock(tmp_path):
-    lock, log = tmp_path / ".thing.lock", tmp_path / "log"
-    holder = mp.get_context("spawn").Process(target=_hold, args=(lock, log, 1.0))
+def _holding(lock, log, seconds: float):
+    """A process that has taken `lock` (it holds it for `seconds`)."""
+    holder = mp.get_context("spawn").Process(target=_hold, args=(lock, log, seconds))
     holder.start()
     deadline = time.monotonic() + 60
     while not (log.exists() and log.read_text()):
         assert time.monotonic() < deadline, "the holder never took the lock"
         time.sleep(0.05)
+    return holder
+
+
+def test_a_waiter_is_told_who_holds_the_lock(tmp_path):
+    lock, log = tmp_path / ".thing.lock", tmp_path / "log"
+    holder = _holding(lock, log, 1.0)
     told: list[str] = []
     with exclusive(lock, on_wait=told.append):
         assert "leave" in log.read_text()  # entered only after the holder left
@@ -54,12 +60,7 @@ def test_two_processes_take_turns(tmp_path):
 
 def test_a_killed_holder_releases_the_lock(tmp_path):
     lock, log = tmp_path / ".thing.lock", tmp_path / "log"
-    holder = mp.get_context("spawn").Process(target=_hold, args=(lock, log, 600))
-    holder.start()
-    deadline = time.monotonic() + 60
-    while not (log.exists() and log.read_text()):
-        assert time.monotonic() < deadline, "the holder never took the lock"
-        time.sleep(0.05)
+    holder = _holding(lock, log, 600)
     os.kill(holder.pid, signal.SIGKILL)
     holder.join(30)
     t0 = time.monotonic()
