@@ -148,7 +148,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
                         or step == recipe.train.steps or (every_s and time.monotonic() - last_checkpoint >= every_s)):
                     _checkpoint(a, record, run_dir, step, deadlines)
                     last_checkpoint = time.monotonic()
-            clock.synced(sync.finish())  # the engines serve the last step's weights from here on
+            clock.synced(_publish(sync, sup, None))  # the engines serve the last step's weights from here on
         except ray.exceptions.RayActorError as err:
             if _trainer_alive(a):
                 raise
@@ -319,18 +319,18 @@ def _next_batch(a: Actors, step: int, deadlines, poll=None):
                       "deadlines.batch_s", lambda: _buffer_state(a.buffer), poll)
 
 
-def _publish(sync: WeightPublisher, sup: Supervisor, step: int) -> dict[str, float]:
-    """`sync.publish(step)`; when an engine was lost under it, the supervisor's recovery gives every
-    engine the trainer's weights (version `step`) instead."""
+def _publish(sync: WeightPublisher, sup: Supervisor, step: int | None) -> dict[str, float]:
+    """`sync.publish(step)` (`step` None: `sync.finish()`, the wait for the update under way). When an
+    engine was lost under it, the supervisor's recovery gives every engine the trainer's current
+    weights instead; when it failed with every engine still answering (the weight group broke), the
+    supervisor forms the group anew and sends them (`Supervisor.resync`, bounded)."""
     t0 = time.perf_counter()
     try:
-        return sync.publish(step)
+        return sync.publish(step) if step is not None else sync.finish()
     except EngineLostDuringSync:
         pass
     except (ray.exceptions.RayError, RunFailure) as err:
-        if not sup.probe_now():  # not an engine's loss: the run's error
-            raise
-        log.warning("weight sync of version %d failed (%s): an engine was lost", step, type(err).__name__)
+        sup.sync_failed(f"weight sync of version {step}" if step is not None else "the last weight sync", err)
     sup.check()
     return {"weightsync/blocked_s": time.perf_counter() - t0}
 

@@ -23,6 +23,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def check_response(resp: httpx.Response, what: str) -> None:
+    """Raise a plain RuntimeError naming `what`, the status and the server's answer, for an HTTP error.
+    (httpx's own error carries the request and response objects, which Ray cannot always carry back
+    to the driver: it arrived there as "Failed to deserialize exception".)"""
+    if not resp.is_success:
+        raise RuntimeError(f"{what}: HTTP {resp.status_code} from {resp.request.url.path}: {resp.text.strip()[:400]}")
+
+
 class EngineStartError(RuntimeError):
     pass
 

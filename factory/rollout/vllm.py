@@ -36,7 +36,7 @@ import httpx
 
 from factory.paths import REPO_ROOT, cache_dir
 from factory.rollout.engine import AdmissionGate, Generation, SamplingParams, server_engine_metrics, support_from
-from factory.rollout.server import EngineStartError, ServerClient, ServerProcess, engine_client, free_port  # noqa: F401 (re-exported)
+from factory.rollout.server import EngineStartError, ServerClient, check_response, ServerProcess, engine_client, free_port  # noqa: F401 (re-exported)
 
 
 class VLLMServer(ServerProcess):
@@ -403,7 +403,7 @@ class VLLMEngine(ServerClient):
             raise RuntimeError(f"the vLLM server at {self.url} has no /collective_rpc: start it with "
                                "VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls factory.weightsync."
                                "WeightReceiverExtension (`factory serve` does both)")
-        resp.raise_for_status()
+        check_response(resp, f"vLLM worker call {method}")
         return resp.json().get("results") if resp.content else None
 
     async def _load_rpc(self, method: str, *args, timeout: float = 300.0) -> list:
@@ -417,7 +417,7 @@ class VLLMEngine(ServerClient):
                 "reset_prefix_cache": {"running_requests": self.partial != "inflight"},
             }, timeout=timeout + 10)
             if resp.status_code != 404:
-                resp.raise_for_status()
+                check_response(resp, f"vLLM weight load ({method})")
                 data = resp.json()
                 self._prefix_reset = data["prefix_cache_reset"]
                 return data["results"]

@@ -14,7 +14,9 @@ weight sync), so nothing changes under a step in progress:
 - an engine the run attached to (`rollout.urls`, or engines handed to `run`) is waited for, never
   restarted, then reconnected and given the weights;
 - a dead env worker is started again and its running groups are re-queued;
-- a dead scorer is started again and its batch scored anew (`restart_scorer`, by the loop).
+- a dead scorer is started again and its batch scored anew (`restart_scorer`, by the loop);
+- a weight update that fails while every engine answers (its weight group broke) is retried: the
+  group is formed anew and every engine given the current weights (`resync`, by the loop).
 
 Each kind of restart is bounded (`rollout.max_engine_restarts`, `failures.max_worker_restarts`);
 one more loss stops the run with one line naming the actor, why, and the setting.
@@ -31,6 +33,7 @@ from typing import Any
 import ray
 
 from factory.failures import RunFailure
+from factory.outage import first_line
 from factory.runtime.weights import connect_broadcast, publish_weights
 
 log = logging.getLogger("factory.supervisor")
@@ -59,7 +62,7 @@ class Supervisor:
         self.restartable = restartable
         self.sync = sync
         self.producing: list = []
-        self.restarts = {"engine": 0, "worker": 0, "scorer": 0}
+        self.restarts = {"engine": 0, "worker": 0, "scorer": 0, "sync": 0}
         self.recover_s: list[float] = []
         self._lost_engines: dict[int, str] = {}
         self._lost_workers: dict[int, str] = {}
@@ -135,7 +138,11 @@ class Supervisor:
     # ---- recovery, on the loop's thread ----------------------------------------------------------
 
     def check(self) -> bool:
-        """Recover what the probes found lost; True if anything was (the loop's waits start afresh)."""
+        """Recover what the probes found lost, and a weight update under way that failed; True if
+        anything was (the loop's waits start afresh)."""
+        failed = self.sync.failure() if self.sync is not None else None
+        if failed is not None and not self.sync_failed("the weight update under way", failed):
+            return True
         with self._lock:
             engines, self._lost_engines = self._lost_engines, {}
             workers, self._lost_workers = self._lost_workers, {}
@@ -210,6 +217,29 @@ class Supervisor:
                 self._misses[i] = 0
                 self._not_before[i] = time.monotonic() + self.health.first_wait_s
 
+    def sync_failed(self, what: str, err: BaseException) -> bool:
+        """A weight update failed (`what`): True if a probe finds an engine (or worker) lost, which `check`
+        then recovers (that gives every engine the weights); else the group is formed anew (`resync`)."""
+        if self.probe_now():
+            log.warning("%s failed (%s): an engine was lost", what, type(err).__name__)
+            return True
+        self.resync(f"{what}: {first_line(getattr(err, 'cause', None) or err)}")
+        return False
+
+    def resync(self, why: str) -> None:
+        """A weight update failed while every engine still answers (its weight group broke: a connection
+        reset, a receive cut short): form the group anew and give every engine the trainer's current
+        weights at its version, as after a restart. Counted against `rollout.max_engine_restarts`."""
+        n = self._count("sync", self.recipe.rollout.max_engine_restarts, "rollout.max_engine_restarts",
+                        "the weight group", why)
+        log.warning("weight sync failed while the engines answer (%s); forming the weight group anew and "
+                    "sending the current weights (retry %d)", why, n)
+        t0 = time.perf_counter()
+        if self.sync is not None:
+            self.sync.abandon()
+        self._reconnect()
+        self.recover_s.append(time.perf_counter() - t0)
+
     def _wait_for(self, i: int) -> None:
         deadline = time.monotonic() + self.recipe.deadlines.batch_s
         while time.monotonic() < deadline:
@@ -253,5 +283,6 @@ class Supervisor:
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/engine_restarts": float(self.restarts["engine"]),
+                "weightsync/retries": float(self.restarts["sync"]),
                 "env/worker_restarts": float(self.restarts["worker"] + self.restarts["scorer"]),
                 "perf/recover_s": float(sum(self.recover_s))}

@@ -63,6 +63,21 @@ class WeightPublisher:
             threading.Thread(target=_settle, args=([*pending[1], pending[2]],), name="factory-abandoned-sync",
                              daemon=True).start()
 
+    def failure(self) -> BaseException | None:
+        """The error of the update under way once it has failed; None while it runs, or once it
+        succeeded. Polled while the loop waits for a batch: a failed update leaves the engines closed
+        (no new request is admitted), so the batch would never come."""
+        if self._pending is None:
+            return None
+        refs = [*self._pending[1], self._pending[2]]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as err:  # noqa: BLE001  (handed to the caller, which recovers)
+                return err
+        return None
+
     def _collect(self) -> dict[str, float]:
         if self._pending is None:
             return {}

@@ -55,7 +55,7 @@ def test_a_killed_then_hung_engine_is_restarted_and_every_group_keeps_one_fate(r
 
     assert [f[:2] for f in faults] == [(1, "SIGKILL"), (2, "SIGKILL worker"), (3, "SIGSTOP")]
     assert faults[0][2] != faults[2][2]  # the hang hit the restarted server
-    assert results["restarts"] == {"engine": 2, "worker": 1, "scorer": 0}
+    assert results["restarts"] == {"engine": 2, "worker": 1, "scorer": 0, "sync": 0}
     assert not psutil.pid_exists(faults[2][2]) or psutil.Process(faults[2][2]).status() == psutil.STATUS_ZOMBIE
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]

@@ -156,3 +156,60 @@ def test_keep_sampling_mask_makes_trainer_logprobs_match_top_k_sampling(engine, 
     # min_new_tokens also keeps end-of-turn out of the sampler's set; the recorded sets already
     # exclude it, so the masked recomputation accounts for both
     assert d_full.mean() > 5 * max(float(d_mask.mean()), 0.01), (d_full.mean(), d_mask.mean())
+
+
+ROGUE_RANK0 = """
+import sys
+from factory.weightsync import WeightBroadcaster
+b = WeightBroadcaster(sys.argv[1], 2)
+print(b.port, flush=True)
+b.connect()  # the engine joins; then this process exits and the group's connection with it
+"""
+
+
+def test_a_weight_group_broken_under_a_run_is_formed_anew_and_the_run_goes_on(engine, tmp_path):
+    """A weight group's connection can break while every engine answers (a connection reset, a peer
+    gone): the next update fails with the engine healthy. The run forms the group anew, gives the engine
+    the trainer's current weights at its version, and goes on (`Supervisor.resync`). Here, after step 1,
+    a process joins the engine to a group of its own and exits: the engine's next receive fails at once."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from factory.run import run
+    from factory.weightsync import BucketPlan
+
+    from .conftest import REPO
+
+    recipe = small_recipe("train.steps=3", "eval.before=false", "eval.after=false", "lake.enabled=false",
+                          "tracking.enabled=false")
+    host = ray.get(engine.node_ip.remote())  # where the trainer of a run beside it would listen
+    plan = BucketPlan.for_state([("w", [64])], "bfloat16", 1 << 20).to_json()
+    broken: list[int] = []
+
+    def break_the_group(report):
+        if report.step != 1:
+            return
+        rogue = subprocess.Popen([sys.executable, "-c", ROGUE_RANK0, host], stdout=subprocess.PIPE, text=True, cwd=REPO)
+        port = int(rogue.stdout.readline())
+        ray.get(engine.init_broadcast.remote(host, port, 1, 2, plan), timeout=120)
+        broken.append(rogue.wait(timeout=60))
+
+    results = run(recipe, tmp_path / "run", engines=[engine], on_step=break_the_group)
+    assert broken == [0]
+    assert results["restarts"]["sync"] == 1 and results["restarts"]["engine"] == 0
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3] and steps[-1]["weightsync/retries"] == 1
+    assert results["engine_versions"] == [recipe.train.steps]
+    # the engine serves the last step's weights exactly (rounded to its bf16; summed on one thread, as
+    # the trainer's and the engine's sums are: a sum's order depends on the thread count)
+    final = load_file(str(tmp_path / "run" / "checkpoints" / "step-000003" / "model.safetensors"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = {name: float(final[name].to(torch.bfloat16).float().sum()) for name in UNPACKED}
+    finally:
+        torch.set_num_threads(threads)
+    assert {name: ray.get(engine.weight_checksum.remote(name)) for name in UNPACKED} == expected
