@@ -90,6 +90,7 @@ class VLLMServer(ServerProcess):
             })
             if uni:
                 self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # only lets the CPU backend keep "uni" (above)
+                self.env["FACTORY_VLLM_FORK_ENGINE_CORE"] = "1"  # fork the engine core, ~8 s less (vllm_site/)
         self.env.update({
             "VLLM_CACHE_ROOT": str(cache_dir() / "vllm"),
             "OMP_NUM_THREADS": str(threads),

@@ -41,15 +41,22 @@ def test_attaching_where_nothing_answers_says_how_to_start_an_engine():
         AttachedServer("http://127.0.0.1:9/").check(timeout_s=2)
 
 
-def test_a_cpu_server_inspects_model_classes_in_its_own_process(model_dir):
+def test_a_cpu_server_inspects_model_classes_in_its_own_process_and_forks_its_engine_core(model_dir):
     """vllm_site/ makes the model registry's inspection run in the calling process for a CPU launch
-    (vLLM runs it in a fresh Python process, which re-imports vLLM and torch: ~12 s of a first start).
-    The environment is the one a CPU launch gets; unpatched, the pid printed would be another's."""
+    (vLLM runs it in a fresh Python process, which re-imports vLLM and torch: ~12 s of a first start),
+    and starts the engine core by fork although vLLM-CPU asks for spawn (~8 s of every start). The
+    environment is the one a CPU launch gets; unpatched, the pid printed would be another's and the
+    start method "spawn". A CPU launch with several workers keeps vLLM's spawn."""
     import subprocess
 
     env = VLLMServer(str(model_dir), device="cpu", port=1234).env
+    assert env["FACTORY_VLLM_FORK_ENGINE_CORE"] == "1"
+    assert "FACTORY_VLLM_FORK_ENGINE_CORE" not in VLLMServer(str(model_dir), device="cpu", port=1234,
+                                                            extra_args=["--tensor-parallel-size", "2"]).env
     code = ("import os; from vllm.model_executor.models import registry; "
-            "print(registry._run_in_subprocess(lambda: os.getpid()) == os.getpid())")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+            "print(registry._run_in_subprocess(lambda: os.getpid()) == os.getpid()); "
+            "from vllm.v1.engine import utils; print(utils.get_mp_context().get_start_method())")
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "True"
+    assert out.stdout.strip().splitlines()[-2:] == ["True", "fork"]

