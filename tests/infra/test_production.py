@@ -28,7 +28,7 @@ import pytest
 from assets.dev import DagsterClient
 from assets.runs import checkpoint_step, latest_checkpoint
 from infra.stack import alive
-from tests.integration.conftest import TEST_OVERRIDES
+from tests.integration.conftest import FILTER_ON, TEST_OVERRIDES
 from tests.lake import workers
 
 
@@ -43,7 +43,7 @@ LONG = [f"train.steps={LONG_STEPS}", f"train.checkpoint_every={LONG_EVERY}", "ev
 
 
 def sweep_config(policy: Path, extra: list[str], grid: list[str]) -> dict:
-    overrides = [*TEST_OVERRIDES, f"model.path={policy}", *extra]
+    overrides = [*TEST_OVERRIDES, FILTER_ON, f"model.path={policy}", *extra]  # the kill window was measured so
     return {"ops": {"plan_sweep": {"config": {"recipe": "recipes/default.yaml", "overrides": overrides,
                                               "grid": grid}}}}
 

@@ -9,13 +9,13 @@ from factory.lake.checks import run_checks
 from factory.lake.query import sql
 from factory.run import run
 
-from .conftest import small_recipe
+from .conftest import FILTER_ON, small_recipe
 
 
 def test_the_lake_holds_every_generated_sample_with_its_status(engine, policy, tmp_path):
     from transformers import AutoTokenizer
 
-    recipe = small_recipe("train.steps=3", "eval.heldout=32", "async.max_staleness=1")
+    recipe = small_recipe("train.steps=3", "eval.heldout=32", "async.max_staleness=1", FILTER_ON)
     results = run(recipe, tmp_path, engines=[engine])
     run_id = tmp_path.name
     rows = sql(f"SELECT * FROM samples WHERE run_id = '{run_id}'").to_pylist()

@@ -15,13 +15,13 @@ from safetensors.torch import load_file
 from factory.lake.query import sql
 from factory.run import run
 
-from .conftest import actor_pids, small_recipe
+from .conftest import FILTER_ON, actor_pids, small_recipe
 
 # η = 0 with seeded requests: generation for step k+1 starts from the same weights, tasks, group ids and
 # seeds in both runs, so it repeats token for token, and so do the rewards and which groups the
 # zero-variance filter drops (kept on: the test policy scores 0 on most groups, which teach nothing).
 EXACT = ["async.max_staleness=0", "rollout.seed=7", "train.steps=3", "train.checkpoint_every=2",
-         "eval.before=false", "eval.after=false"]
+         "eval.before=false", "eval.after=false", FILTER_ON]
 # The weights after the step past the resume: equal up to this share of that step's own update (the
 # behaviour logprobs come from a bf16 engine whose batches may be composed differently).
 WEIGHT_TOLERANCE = 0.02

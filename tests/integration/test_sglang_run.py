@@ -18,7 +18,7 @@ import ray
 
 from factory.run import run
 
-from .conftest import small_recipe
+from .conftest import FILTER_ON, small_recipe
 from .test_weight_sync import BF16_MEAN_TOL
 
 pytestmark = pytest.mark.integration
@@ -32,11 +32,10 @@ def _updates(engine) -> float:
 
 
 def test_factory_run_trains_against_a_real_sglang_server(sglang_engine, policy, tmp_path):
-    # every group is trained (no zero-variance filter): after one step at this rate the policy can answer
-    # each prompt one way, and the filter then had the engine sample ~8,000 completions (77 s) to find
-    # step 2's four groups with a signal; what is tested here is the engine, sync and versions
+    # every group is trained (TEST_OVERRIDES): after one step at this rate the policy answered each prompt
+    # one way, and the zero-variance filter had SGLang sample ~7,900 completions (77 s) for step 2
     recipe = small_recipe(*SGLANG, "async.max_staleness=0", "train.steps=3", "train.lr=1e-3", "eval.heldout=16",
-                          "algorithm.filter_zero_variance=false", f"model.path={policy}")
+                          f"model.path={policy}")
     before = _updates(sglang_engine)
     results = run(recipe, tmp_path, engines=[sglang_engine])
     assert results["samples_trained"] > 0 and results["engine_requests"][0] > 0
@@ -53,7 +52,7 @@ def test_factory_run_trains_against_a_real_sglang_server(sglang_engine, policy, 
 
 def test_default_recipe_runs_20_steps_on_sglang_at_eta_1(sglang_engine, policy, tmp_path):
     recipe = small_recipe(*SGLANG, "train.steps=20", "train.checkpoint_every=100", "eval.after=false",
-                          f"model.path={policy}")
+                          FILTER_ON, f"model.path={policy}")
     assert recipe.async_.max_staleness == 1 and recipe.rollout.partial_rollout == "wait"  # the default recipe's
     before = _updates(sglang_engine)
     results = run(recipe, tmp_path, engines=[sglang_engine])
