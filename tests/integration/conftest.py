@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 # trained: this policy rarely gets a sum right, so nearly every group's rewards are all equal, and with
 # the zero-variance filter (the default recipe's) a run generated ~20 groups per group it trained (449
 # filtered for 20 trained, measured). The test of every sample's fate, the resume tests, the seeded
-# reproducibility runs, the default-recipe SGLang run and the production test turn it back on (FILTER_ON).
+# reproducibility runs, the attached-engine stall, the default-recipe SGLang run and the production test
+# turn it back on (FILTER_ON).
 TEST_OVERRIDES = [
     "model.sft_steps=120", "data.train_size=2000", "data.heldout_size=300",
     "train.groups_per_step=4", "rollout.group_size=4", "train.steps=4", "train.checkpoint_every=2",

@@ -16,16 +16,17 @@ import ray
 from factory.rollout.vllm import EngineStartError
 from factory.run import run
 
-from .conftest import small_recipe
+from .conftest import FILTER_ON, small_recipe
 
 pytestmark = pytest.mark.integration
 
 
 def test_a_recipe_naming_engine_urls_trains_on_an_engine_it_did_not_start(engine, tmp_path):
     """The attached server also hangs for a while (SIGSTOP after step 1, SIGCONT 15 s later): the run
-    waits for it instead of restarting it, then reconnects and gives it the weights again."""
+    waits for it instead of restarting it, then reconnects and gives it the weights again. (With the
+    zero-variance filter, as the default recipe: its steps' pace is the one this fault was timed under.)"""
     url = ray.get(engine.url.remote())
-    recipe = small_recipe(f"rollout.urls=[{url}]", "train.steps=3", "eval.before=false", "eval.heldout=16",
+    recipe = small_recipe(f"rollout.urls=[{url}]", FILTER_ON, "train.steps=3", "eval.before=false", "eval.heldout=16",
                           "lake.enabled=false", "tracking.enabled=false", "rollout.health.interval_s=2",
                           "rollout.health.timeout_s=3", "rollout.health.first_wait_s=0")
     (server,) = [c for c in psutil.Process(ray.get(engine.pid.remote())).children() if "vllm" in " ".join(c.cmdline())]
