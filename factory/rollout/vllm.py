@@ -107,6 +107,27 @@ class VLLMServer(ServerProcess):
                                                         os.environ.get("PYTHONPATH")])),
         })
         self.proc: subprocess.Popen | None = None
+        self.device = device
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Ready, and on CPU warmed up: one prompt of WARM_UP_TOKENS tokens, one token out. Why: on this
+        machine (AMX) a CPU server whose first request was a prompt of a few tokens died in vLLM's CPU
+        attention kernel (SIGILL in `cpu_attention_with_kv_cache`, the engine core gone, every request
+        after it answered 500); after one longer prompt, short ones are served. Our runs' first
+        prompts are chat-templated (tens of tokens), but a server anyone attaches to
+        (`factory serve`) may get any prompt first."""
+        super().wait_ready(timeout_s)
+        if self.device != "cpu":
+            return
+        resp = httpx.post(f"{self.url}/v1/completions", timeout=60, json={
+            "model": self.model, "prompt": list(range(WARM_UP_TOKENS)), "max_tokens": 1, "temperature": 0})
+        if resp.status_code != 200:
+            self.stop()
+            raise EngineStartError(f"vLLM server at {self.url}: its warm-up request failed (HTTP {resp.status_code}); "
+                                   f"see {self.log_path}:\n" + self.log_tail())
+
+
+WARM_UP_TOKENS = 32
 
 
 class AttachedServer:
