@@ -28,8 +28,10 @@ def test_factory_serve_answers_a_short_first_prompt_and_stops_on_sigterm(policy,
                              "--device", "cpu", "--log", str(log)], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        line = proc.stdout.readline()
-        assert line.startswith(f"serving {policy} at http://127.0.0.1:{port}"), line + proc.stdout.read()[-2000:]
+        seen = []  # what it printed before the line that says where it serves (warnings, if any)
+        while not (line := proc.stdout.readline()).startswith("serving ") and line:
+            seen.append(line)
+        assert line.startswith(f"serving {policy} at http://127.0.0.1:{port}"), "".join(seen)[-3000:]
         server = [c for c in psutil.Process(proc.pid).children() if "vllm" in " ".join(c.cmdline())]
         assert len(server) == 1
         for prompt in ([5, 6, 7], list(range(5, 45))):
