@@ -30,6 +30,7 @@ Ratios (Factory / TRL) go to bench/results/vs_trl.json, accuracy by step to a pl
 -e '.[bench]'`: trl).
 
     python bench/vs_trl.py [--steps 400] [--eval-every 25] [--heldout 500] [--long-steps 30]
+                           [--factory-override KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ GOALS = {"short_completions_per_s": 1.3, "short_time_to_target": 1.5, "long_comp
 TARGET_GAIN = 0.05
 
 
-def recipe_for(steps: int, max_new_tokens: int, eval_every: int):
+def recipe_for(steps: int, max_new_tokens: int, eval_every: int, extra: list[str] | None = None):
     from factory.recipe import load_recipe
 
-    overrides = [f"train.steps={steps}", f"train.checkpoint_every={eval_every}", "eval.before=false",
+    overrides = [*(extra or []), f"train.steps={steps}", f"train.checkpoint_every={eval_every}", "eval.before=false",
                  "eval.after=false", "name=bench-vs-trl", f"rollout.max_new_tokens={max_new_tokens}"]
     if max_new_tokens > 8:
         overrides.append(f"rollout.min_new_tokens={max_new_tokens}")
@@ -179,7 +180,7 @@ def summarize(name: str, trained: dict, accuracy: dict[int, dict], start: float,
 
 def variant(name: str, steps: int, max_new_tokens: int, args, policy: Path, start: dict) -> dict:
     print(f"\n== {name}: {steps} steps, {max_new_tokens} new tokens at most", flush=True)
-    recipe = recipe_for(steps, max_new_tokens, args.eval_every)
+    recipe = recipe_for(steps, max_new_tokens, args.eval_every, args.factory_override)
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
         tmp = Path(tmp)
         print("Factory ...", flush=True)
@@ -237,6 +238,9 @@ def main() -> int:
     ap.add_argument("--long-steps", type=int, default=30)
     ap.add_argument("--trl-threads", type=int, default=2)
     ap.add_argument("--variants", nargs="+", default=["short", "long"], choices=["short", "long"])
+    ap.add_argument("--factory-override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override for Factory's side (repeatable), e.g. "
+                         "algorithm.filter_zero_variance=false to train every group as TRL does")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "vs_trl.json"))
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out's results and stop")
     args = ap.parse_args()
@@ -263,6 +267,7 @@ def main() -> int:
         results["long"] = variant("long", args.long_steps, 64, args, policy, start)
     results["goals"] = GOALS
     results["heldout_n"] = args.heldout
+    results["factory_overrides"] = args.factory_override
     write_results(args.out, results)
     if "short" in results:
         plot(results, Path(args.out).with_suffix(".png"))
