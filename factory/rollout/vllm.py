@@ -36,7 +36,9 @@ import httpx
 
 from factory.paths import REPO_ROOT, cache_dir
 from factory.rollout.engine import AdmissionGate, Generation, SamplingParams, server_engine_metrics, support_from
-from factory.rollout.server import EngineStartError, ServerClient, check_response, ServerProcess, engine_client, free_port  # noqa: F401 (re-exported)
+from factory.rollout.server import EngineStartError, ServerClient, ServerProcess, check_response, engine_client, free_port  # noqa: F401 (re-exported)
+
+WARM_UP_TOKENS = 32  # a CPU server's first prompt, sent by `VLLMServer.wait_ready` (see there)
 
 
 class VLLMServer(ServerProcess):
@@ -125,9 +127,6 @@ class VLLMServer(ServerProcess):
             self.stop()
             raise EngineStartError(f"vLLM server at {self.url}: its warm-up request failed (HTTP {resp.status_code}); "
                                    f"see {self.log_path}:\n" + self.log_tail())
-
-
-WARM_UP_TOKENS = 32
 
 
 class AttachedServer:

@@ -38,7 +38,7 @@ def test_factory_serve_answers_a_short_first_prompt_and_stops_on_sigterm(policy,
             resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                               json={"model": str(policy), "prompt": prompt, "max_tokens": 4})
             assert resp.status_code == 200, (resp.text, log.read_text()[-3000:])
-            assert len(resp.json()["choices"][0]["text"]) > 0 or resp.json()["usage"]["completion_tokens"] > 0
+            assert resp.json()["usage"]["completion_tokens"] >= 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert not server[0].is_running() or server[0].status() == psutil.STATUS_ZOMBIE
