@@ -227,10 +227,9 @@ class TrajectoryWriter:
         if spec.position is None or run_id is None:
             return None
         table = self._call(lambda: self.catalog.load_table((self.namespace, table_name)))
-        for snapshot in sorted(table.metadata.snapshots, key=lambda s: s.timestamp_ms, reverse=True):
-            value = snapshot.summary.additional_properties.get(POSITION_PROPERTY + run_id) if snapshot.summary else None
-            if value is not None:
-                return int(value)
+        value = summary_position(table, run_id)
+        if value is not None:
+            return value
         if table.current_snapshot() is None:
             return None
         column = spec.position
@@ -527,6 +526,15 @@ class TrajectoryWriter:
             except Exception as e:  # noqa: BLE001
                 log.info("snapshot expiry on %s skipped: %s", name, e)
 
+
+def summary_position(table: Table, run_id: str) -> int | None:
+    """The position `run_id` reached in `table` by its newest snapshot summary that records one
+    (None when none does, e.g. after expiry removed them): one metadata read, no data files."""
+    for snapshot in sorted(table.metadata.snapshots, key=lambda s: s.timestamp_ms, reverse=True):
+        value = snapshot.summary.additional_properties.get(POSITION_PROPERTY + run_id) if snapshot.summary else None
+        if value is not None:
+            return int(value)
+    return None
 
 def _count(table: Table, row_filter: Any, column: str) -> int:
     return table.scan(row_filter=row_filter, selected_fields=(column,)).to_arrow().num_rows

@@ -48,16 +48,21 @@ def sweep_config(policy: Path, extra: list[str], grid: list[str]) -> dict:
                                               "grid": grid}}}}
 
 
+def lake_props(stack) -> dict[str, str]:
+    """PyIceberg properties of the stack's lake: only the catalog's address and the object store's keys."""
+    v = stack.values
+    return {"type": "sql", "uri": (f"postgresql+psycopg2://{v['FACTORY_PG_USER']}:{v['FACTORY_PG_PASSWORD']}@"
+                                   f"{v['FACTORY_PG_HOST']}:{v['FACTORY_PG_PORT']}/iceberg"),
+            "warehouse": v["FACTORY_LAKE_WAREHOUSE"], "s3.endpoint": v["FACTORY_S3_ENDPOINT"],
+            "s3.access-key-id": v["AWS_ACCESS_KEY_ID"], "s3.secret-access-key": v["AWS_SECRET_ACCESS_KEY"],
+            "s3.region": v["FACTORY_S3_REGION"]}
+
+
 def lake_probe(stack, sql: str) -> list[dict]:
     """Rows of `sql` over the lake, read by a fresh process given only the catalog's address and
     the object store's keys: PyIceberg's SQL catalog, DuckDB over the scanned Arrow tables
     (`data`: samples, `steps`, `checkpoints`)."""
-    v = stack.values
-    props = {"type": "sql", "uri": (f"postgresql+psycopg2://{v['FACTORY_PG_USER']}:{v['FACTORY_PG_PASSWORD']}@"
-                                    f"{v['FACTORY_PG_HOST']}:{v['FACTORY_PG_PORT']}/iceberg"),
-             "warehouse": v["FACTORY_LAKE_WAREHOUSE"], "s3.endpoint": v["FACTORY_S3_ENDPOINT"],
-             "s3.access-key-id": v["AWS_ACCESS_KEY_ID"], "s3.secret-access-key": v["AWS_SECRET_ACCESS_KEY"],
-             "s3.region": v["FACTORY_S3_REGION"]}
+    props = lake_props(stack)
     code = f"""
 import json, duckdb
 from pyiceberg.catalog import load_catalog
@@ -167,8 +172,14 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
     # wait until bob's run is two steps past a checkpoint and not about to write the next, then kill -9
     # the daemon and that run's worker (the process executing the RL run) at once. Read from the run dir
     # (fast, no service): the lake probe takes seconds, longer than a step here, and raced the run's
-    # checkpoints until the run finished uncaught (seen). The lake commits every 0.5 s, so by the second
-    # step past the checkpoint it holds rows past it for the relaunch to rewind (checked below).
+    # checkpoints until the run finished uncaught (seen). The lake must hold rows past the checkpoint for
+    # the relaunch to rewind: its commits (every 0.5 s) can lag two steps under load (seen in CI), so the
+    # newest samples snapshot's position (one metadata read, ~0.1 s) is checked too: past at + 1, so the
+    # trained rows of step at + 1 (logged before anything of a later step) are committed.
+    from pyiceberg.catalog import load_catalog
+    from factory.lake.writer import summary_position
+
+    lake = load_catalog("factory", **lake_props(stack))
     deadline = time.monotonic() + 900
     while True:
         runs = bob.runs(tags=in_bob)
@@ -178,7 +189,8 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
             key = killed["tags"]["dagster/partition"]
             checkpoint = latest_checkpoint(stack.home / "runs" / key)
             at = checkpoint_step(checkpoint) if checkpoint is not None else None
-            if at is not None and at + 2 <= last_step(stack.home / "runs" / key) < at + LONG_EVERY - 1:
+            if (at is not None and at + 2 <= last_step(stack.home / "runs" / key) < at + LONG_EVERY - 1
+                    and (summary_position(lake.load_table(("factory", "samples")), key) or 0) > at + 1):
                 pid, state = worker_pid(bob, killed["runId"]), stack.state()
                 if latest_checkpoint(stack.home / "runs" / key) == checkpoint:
                     break
