@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from collections.abc import Callable, Sequence
@@ -29,6 +29,7 @@ from factory.model.sft import ensure_base_policy
 from factory.recipe import Recipe
 from factory.failures import RunFailure
 from factory.recording import RunRecorder, latest_checkpoint
+from factory.rewards import verifier_specs
 from factory.runtime.actors import (
     BufferActor, EngineActor, EnvWorkerActor, ScorerActor, killed_on_error, placed,
 )
@@ -187,6 +188,7 @@ class Actors:
     workers: list
     own_engines: bool
     policy: object  # the base policy's DirBundle in the object store (env workers read the tokenizer from it)
+    verifiers: list = field(default_factory=list)  # the train tasks' verifier specs: env workers warm them up
 
     def trainer_ranks(self) -> list:
         return getattr(self.trainer, "ranks", [self.trainer])  # a TrainerGroup's, or the one trainer
@@ -223,7 +225,7 @@ def _start(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Path, tra
     if record.keeps_all_samples:  # a failing run still records what it generated (failed groups too)
         created.before_kill.append(lambda: record.log_discarded(
             record.step, *ray.get(buffer.take_discarded.remote(unused=True), timeout=30)))
-    a = Actors(engines, trainer, scorer, buffer, [], own_engines, policy_ref)
+    a = Actors(engines, trainer, scorer, buffer, [], own_engines, policy_ref, verifier_specs(train_tasks))
     # the env workers' processes are made now, beside the trainer's and the engines' (their gateways
     # serve from `_start_env_workers`, once the engines hold this run's weights)
     a.workers = [_env_worker(a, recipe, f"w{i}") for i in range(recipe.environment.workers)]
@@ -265,7 +267,8 @@ def _restore(a: Actors, recipe: Recipe, resume_from: Path | None) -> int:
 
 def _env_worker(a: Actors, recipe: Recipe, owner: str):
     return placed(EnvWorkerActor, recipe.placement.env_worker).remote(
-        a.policy, recipe.environment, recipe.rollout, a.engines, a.buffer, recipe.failures, recipe.deadlines, owner)
+        a.policy, recipe.environment, recipe.rollout, a.engines, a.buffer, recipe.failures, recipe.deadlines, owner,
+        a.verifiers)
 
 
 def _start_env_workers(a: Actors) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from typing import Any
 
 from factory.types import Task
@@ -17,6 +19,15 @@ def verifier_spec(task: Task) -> dict[str, Any]:
     if is_code_task(task):
         return {"name": "code"}
     return {"name": "reasoning_gym", "config": {"family": task.family}}
+
+
+def verifier_specs(tasks: Iterable[Task]) -> list[dict[str, Any]]:
+    """The distinct verifier specs `tasks` are scored by (what an env worker warms up before its first episode)."""
+    specs: dict[str, dict[str, Any]] = {}
+    for task in tasks:
+        spec = verifier_spec(task)
+        specs.setdefault(json.dumps(spec, sort_keys=True, default=str), spec)
+    return list(specs.values())
 
 
 async def score_answer(answer: str | None, task: Task, sandbox=None) -> tuple[float, dict[str, Any]]:

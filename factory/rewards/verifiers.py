@@ -17,12 +17,14 @@ reasoning-gym families carry none and are scored by reasoning-gym (code tasks by
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import logging
 import math
 import re
 import threading
 import unicodedata
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cache
@@ -42,13 +44,15 @@ ScoreFn = Callable[[str, Task, dict[str, Any], Any], "tuple[float, dict[str, Any
 class Verifier:
     """A registered verifier: its scorer, its config options as name -> (type, default or REQUIRED),
     the row columns it reads (`reads(config)` -> metadata key -> column, None for an optional one left
-    unset), and a load-time check of one row (`check(reference, fields, config)` -> problem or None)."""
+    unset), a load-time check of one row (`check(reference, fields, config)` -> problem or None), and
+`warm(config)`: load what scoring needs (imports, built scorers) before the first reply arrives."""
 
     score: ScoreFn
     options: dict[str, tuple[type | tuple[type, ...], Any]] = field(default_factory=dict)
     reads: Callable[[dict[str, Any]], dict[str, str | None]] = lambda config: {}
     check: Callable[[str, dict[str, Any], dict[str, Any]], str | None] = lambda reference, fields, config: None
     needs_sandbox: bool = False
+    warm: Callable[[dict[str, Any]], Any] = lambda config: None
 
 
 VERIFIERS: Registry[Verifier] = Registry("verifier")
@@ -142,7 +146,8 @@ VERIFIERS.register("numeric", Verifier(
     check=_number_problem))
 
 VERIFIERS.register("math_verify", Verifier(
-    lambda reply, task, config, sandbox: (math_verify_match(reply, _reference(task)), {})))
+    lambda reply, task, config, sandbox: (math_verify_match(reply, _reference(task)), {}),
+    warm=lambda config: importlib.import_module("math_verify")))
 
 
 def _regex_problem(reference: str, fields: dict[str, Any], config: dict[str, Any]) -> str | None:
@@ -223,7 +228,7 @@ VERIFIERS.register("reasoning_gym", Verifier(
     lambda reply, task, config, sandbox: (reasoning_gym_reward(reply, task, config["family"]), {}),
     {"family": (str, REQUIRED), "metadata_field": ((str, type(None)), None)},
     reads=lambda config: {"rg_metadata": config["metadata_field"]},
-    check=_rg_problem))
+    check=_rg_problem, warm=lambda config: _score_fn(config["family"])))
 
 
 # ---- specs: checking them, and scoring with them ----------------------------------------------------
@@ -281,3 +286,19 @@ async def score_with(spec: Mapping[str, Any], answer: str | None, task: Task, sa
     result = verifier.score(reply, task, with_defaults(spec["name"], spec.get("config") or {}), sandbox)
     reward, details = (await result) if inspect.isawaitable(result) else result
     return reward, ({"extracted": reply, **details} if spec.get("extract") else details)
+
+
+def warm_up(specs: Iterable[Mapping[str, Any]]) -> None:
+    """Load what each verifier in `specs` needs to score (reasoning-gym's scorers: ~1 CPU-s of imports),
+    so a process's first replies are not scored behind it. A spec that cannot warm is logged and left
+    to fail where it is scored (as that episode's failure)."""
+    log = logging.getLogger(__name__)
+    for spec in specs:
+        problems = spec_problems(spec.get("name"), spec.get("extract"), spec.get("config") or {})
+        if problems:
+            log.warning("verifier %s did not warm up: %s", spec.get("name"), "; ".join(problems))
+            continue
+        try:
+            VERIFIERS[spec["name"]].warm(with_defaults(spec["name"], spec.get("config") or {}))
+        except Exception as err:
+            log.warning("verifier %s did not warm up: %s", spec["name"], err)

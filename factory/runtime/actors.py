@@ -23,6 +23,8 @@ from factory.runtime.transfer import DirBundle, local_dir, node_ip
 from factory.types import Batch, Group, Task
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
     from factory.recipe import AlgorithmSection, AsyncSection, FailuresSection, TrainSection
     from factory.trainer import Trainer
     from factory.weightsync import BucketPlan, WeightBroadcaster
@@ -430,7 +432,7 @@ class EnvWorkerActor(Placed):
     `model`: a DirBundle or a path on this node (the tokenizer is read from it)."""
 
     def __init__(self, model: str | DirBundle, environment, rollout, engines: list, buffer, failures=None,
-                 deadlines=None, owner: str = "w0"):
+                 deadlines=None, owner: str = "w0", verifiers: Sequence[Mapping] = ()):
         from factory.lean_imports import transformers_without_sklearn
 
         transformers_without_sklearn()
@@ -442,6 +444,7 @@ class EnvWorkerActor(Placed):
         from factory.rollout.engines import support_k
         from factory.rollout.episodes import EpisodeRunner
         from factory.rollout.gateway import Gateway
+        from factory.rewards.verifiers import warm_up
 
         tokenizer = load_tokenizer(local_dir(model, "env worker tokenizer"))  # without torch: ~4 CPU-s a run
         defaults = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
@@ -458,6 +461,9 @@ class EnvWorkerActor(Placed):
         self.producing = False
         self.tasks: set[asyncio.Task] = set()
         self.failures = FailureLog(_stderr_logger("factory.env_worker"), (failures or FailuresSection()).tracebacks)
+        # made while the engines start: the first replies are scored without waiting on imports (reasoning-gym
+        # ~1 CPU-s, on the pipeline fill's critical path otherwise)
+        warm_up(verifiers)
 
     async def start(self) -> int:
         return await self.gateway.serve()

@@ -16,6 +16,7 @@ import ray
 
 from factory.evaluate import merge_chunks, suite_tasks, tasks_digest
 from factory.recipe import Recipe
+from factory.rewards import verifier_specs
 from factory.rollout.episodes import summarize
 from factory.runtime.actors import EngineActor, EnvWorkerActor, placed
 from factory.runtime.cluster import local_ray
@@ -92,12 +93,14 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "he
             engines = [placed(EngineActor, recipe.placement.engine).remote(
                 recipe.rollout.engine, model, recipe.rollout, str(Path(tmp) / f"engine-{i}.log"), url=url,
                 shape=shape_of(recipe, generating_only=True)) for i, url in enumerate(urls or [None])]
+        # the worker's process (tokenizer, verifiers warmed) is made while the engines start
+        worker = placed(EnvWorkerActor, recipe.placement.env_worker).remote(
+            model, recipe.environment, recipe.rollout, engines, None, recipe.failures, recipe.deadlines,
+            verifiers=verifier_specs(tasks))
+        if own:
             ray.get([e.start.remote() for e in engines])
         if not own or urls:
             ray.get([e.update.remote(-1, "disk", model) for e in engines])  # -1: not a version of any run
-        worker = placed(EnvWorkerActor, recipe.placement.env_worker).remote(model, recipe.environment, recipe.rollout,
-                                                                             engines, None, recipe.failures,
-                                                                             recipe.deadlines)
         try:
             ray.get(worker.start.remote())
             phase(f"evaluating on {len(tasks)} {suite} tasks")

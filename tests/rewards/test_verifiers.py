@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import pytest
 
-from factory.rewards import score_answer, verifier_spec
+from factory.rewards import score_answer, verifier_spec, verifier_specs
 from factory.rewards.verifiers import (
     VERIFIERS,
     exact_match,
@@ -216,3 +218,33 @@ def test_code_rows_are_scored_by_their_own_unit_tests(tmp_path, sandbox):
     assert right[0] == 1.0 and right[1]["tests"]["passed"] == 2
     # a - b: 1 - 2 = -1 fails `== 3`; -1 - 1 = -2 fails `== 0`: no case passes
     assert wrong[0] == 0.0 and (wrong[1]["tests"]["passed"], wrong[1]["tests"]["reason"]) == (0, "ok")
+
+
+def test_verifier_specs_are_the_distinct_specs_tasks_are_scored_by():
+    own = {"name": "numeric", "config": {"abs_tol": 0.5}}
+    tasks = [Task(f"basic_arithmetic/train/{i}", "basic_arithmetic", "Calculate 2 + 3.", "5") for i in range(3)]
+    tasks += [Task("chain_sum/train/0", "chain_sum", "Sum.", "6"), Task("mine/1", "mine", "?", "1", {"verifier": own}),
+              Task("mine/2", "mine", "?", "2", {"verifier": dict(own)})]
+    assert verifier_specs(tasks) == [{"name": "reasoning_gym", "config": {"family": "basic_arithmetic"}},
+                                     {"name": "reasoning_gym", "config": {"family": "chain_sum"}}, own]
+
+
+def test_warm_up_loads_a_scorer_before_the_first_reply_and_a_bad_spec_only_warns():
+    # a fresh process: this one may have imported reasoning-gym already
+    code = """
+import logging, sys
+from factory.rewards.verifiers import _score_fn, warm_up
+assert "reasoning_gym" not in sys.modules
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logging.getLogger("factory.rewards.verifiers").addHandler(Keep())
+warm_up([{"name": "reasoning_gym", "config": {"family": "basic_arithmetic"}}, {"name": "reasoning_gym", "config": {}}])
+print("reasoning_gym" in sys.modules, _score_fn.cache_info().currsize, records)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded, scorers, warnings = done.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert (loaded, scorers) == ("True", "1")
+    assert "verifier reasoning_gym did not warm up" in warnings and "family" in warnings
