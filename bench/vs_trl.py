@@ -14,12 +14,17 @@ worker, buffer and driver share the cores); TRL's single process takes both core
 
 Both save their policy every `--eval-every` steps; after both have trained, every saved policy is
 scored on one seeded held-out sample of `--heldout` tasks by the same vLLM engine and sampler
-(temperature 1.0, one completion per task), so the accuracies are comparable to each other.
+(temperature 1.0, one completion per task), so the accuracies are comparable to each other. The
+time spent saving is left out of both systems' clocks (Factory's checkpoint holds the optimizer and
+sampler state and commits the lake; TRL saves the model only): the saves are the bench's, for scoring.
 
 Reported per variant: completions generated/s, median step, held-out accuracy (± standard error)
 at equal steps, and the time to reach the starting accuracy + 0.05 (first saved step that does).
 Variants:
 - `short`: the default (at most 8 new tokens).
+- `early`: the short variant's first `--early-steps` steps, saved and scored after every step: both
+  systems pass start + 0.05 within the short variant's first `--eval-every` steps, so its time to
+  target only says which step came first on a coarse grid; this one resolves it to the step.
 - `long`: generation-dominated: exactly 64 new tokens per completion (end-of-turn suppressed before
   64 in both: `min_new_tokens` / `min_new_tokens` in TRL's generation kwargs), so both do the same
   work per completion; it runs `--long-steps` steps and reports throughput (its accuracy is
@@ -29,7 +34,7 @@ Ratios (Factory / TRL) go to bench/results/vs_trl.json, accuracy by step to a pl
 (vs_trl.png; `--plot-only` redraws it from the JSON). Needs the `bench` extra (`pip install
 -e '.[bench]'`: trl).
 
-    python bench/vs_trl.py [--steps 400] [--eval-every 25] [--heldout 500] [--long-steps 30]
+    python bench/vs_trl.py [--steps 400] [--eval-every 25] [--heldout 500] [--long-steps 30] [--early-steps 10]
                            [--factory-override KEY=VALUE ...]
 """
 
@@ -50,7 +55,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from results_file import write_results  # noqa: E402
 
-GOALS = {"short_completions_per_s": 1.3, "short_time_to_target": 1.5, "long_completions_per_s": 3.0}
+GOALS = {"short_completions_per_s": 1.3, "early_time_to_target": 1.5, "long_completions_per_s": 3.0}
 TARGET_GAIN = 0.05
 
 
@@ -66,19 +71,33 @@ def recipe_for(steps: int, max_new_tokens: int, eval_every: int, extra: list[str
 
 def train_factory(recipe, out: Path) -> dict:
     """The default recipe through Factory's own loop; returns the step times and {step: checkpoint dir}."""
+    import factory.run
     from factory.run import run
 
     times: dict[int, float] = {}
     generated: dict[int, float] = {}
     t0 = [0.0]
+    saving = [0.0]  # seconds spent saving checkpoints so far: the bench's saves, not training
+    save = factory.run._checkpoint
+
+    def timed_save(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return save(*args, **kwargs)
+        finally:
+            saving[0] += time.perf_counter() - t
 
     def on_step(report) -> None:
         if report.step == 1:
             t0[0] = time.perf_counter() - report.metrics["perf/elapsed_s"]
-        times[report.step] = time.perf_counter() - t0[0]
+        times[report.step] = time.perf_counter() - t0[0] - saving[0]
         generated[report.step] = report.metrics["buffer/finished_samples"]
 
-    run(recipe, out, on_step=on_step)
+    factory.run._checkpoint = timed_save
+    try:
+        run(recipe, out, on_step=on_step)
+    finally:
+        factory.run._checkpoint = save
     checkpoints = {int(p.name.split("-")[1]): p for p in sorted((out / "checkpoints").glob("step-*"))}
     return {"elapsed": times, "generated": generated, "checkpoints": checkpoints}
 
@@ -110,11 +129,18 @@ def train_trl(recipe, policy: Path, out: Path, threads: int) -> dict:
     times: dict[int, float] = {}
 
     class Clock(TrainerCallback):
+        """Step times from the start of training, less the time spent saving (on_save follows a save)."""
+
         def on_train_begin(self, args, state, control, **kw):
             self.t0 = time.perf_counter()
+            self.saving = 0.0
 
         def on_step_end(self, args, state, control, **kw):
-            times[state.global_step] = time.perf_counter() - self.t0
+            self.end = time.perf_counter()
+            times[state.global_step] = self.end - self.t0 - self.saving
+
+        def on_save(self, args, state, control, **kw):
+            self.saving += time.perf_counter() - self.end
 
     r = recipe.rollout
     generation_kwargs = {"min_new_tokens": r.min_new_tokens} if r.min_new_tokens else None
@@ -178,9 +204,9 @@ def summarize(name: str, trained: dict, accuracy: dict[int, dict], start: float,
             "time_to_target_s": elapsed[reached[0]] if reached else None}
 
 
-def variant(name: str, steps: int, max_new_tokens: int, args, policy: Path, start: dict) -> dict:
-    print(f"\n== {name}: {steps} steps, {max_new_tokens} new tokens at most", flush=True)
-    recipe = recipe_for(steps, max_new_tokens, args.eval_every, args.factory_override)
+def variant(name: str, steps: int, max_new_tokens: int, args, policy: Path, start: dict, eval_every: int) -> dict:
+    print(f"\n== {name}: {steps} steps, {max_new_tokens} new tokens at most, saved every {eval_every}", flush=True)
+    recipe = recipe_for(steps, max_new_tokens, eval_every, args.factory_override)
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
         tmp = Path(tmp)
         print("Factory ...", flush=True)
@@ -200,7 +226,7 @@ def variant(name: str, steps: int, max_new_tokens: int, args, policy: Path, star
     print(f"\n{name}: {'':8}{'compl/s':>9}{'step s':>8}{'to target s':>13}  held-out by step")
     for r in rows.values():
         acc_text = "  ".join(f"{s}:{a['mean']:.3f}±{a['stderr']:.3f}" for s, a in r["heldout"].items()
-                             if int(s) % 100 == 0 or int(s) == r["steps"])
+                             if steps <= 20 or int(s) % 100 == 0 or int(s) == r["steps"])
         ttt = f"{r['time_to_target_s']:.0f}" if r["time_to_target_s"] else "never"
         print(f"  {r['system']:<14}{r['completions_generated_per_s']:9.1f}{r['median_step_s']:8.3f}{ttt:>13}  {acc_text}")
     print(f"  ratios: {ratios}")
@@ -209,22 +235,24 @@ def variant(name: str, steps: int, max_new_tokens: int, args, policy: Path, star
 
 
 def plot(results: dict, path: Path) -> None:
-    """Held-out accuracy (± 1 SE) by step of both systems on the short-answer variant, with the target."""
+    """Held-out accuracy (± 1 SE) by step of both systems, with the target: the short variant, and
+    beside it the early variant's first steps (scored after every step) when it ran."""
     from matplotlib.figure import Figure
 
-    short = results["short"]
-    fig = Figure(figsize=(7, 4))
-    ax = fig.subplots()
-    for name, row in short["rows"].items():
-        steps = [0] + [int(s) for s in row["heldout"]]
-        acc = [results["start"]] + list(row["heldout"].values())
-        ax.errorbar(steps, [a["mean"] for a in acc], yerr=[a["stderr"] for a in acc], label=name, capsize=2, marker="o",
-                    ms=3)
-    ax.axhline(next(iter(short["rows"].values()))["target"], color="k", ls="--", lw=1, label="start + 0.05")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"held-out accuracy (n = {results.get('heldout_n', '?')})")
-    ax.set_title("Factory vs TRL GRPOTrainer, same policy, tasks and settings")
-    ax.legend()
+    panels = [v for v in ("short", "early") if v in results]
+    fig = Figure(figsize=(7 * len(panels), 4))
+    for ax, name in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        rows = results[name]["rows"]
+        for system, row in rows.items():
+            steps = [0] + [int(s) for s in row["heldout"]]
+            acc = [results["start"]] + list(row["heldout"].values())
+            ax.errorbar(steps, [a["mean"] for a in acc], yerr=[a["stderr"] for a in acc], label=system, capsize=2,
+                        marker="o", ms=3)
+        ax.axhline(next(iter(rows.values()))["target"], color="k", ls="--", lw=1, label="start + 0.05")
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"held-out accuracy (n = {results.get('heldout_n', '?')})")
+        ax.set_title(f"{name}: Factory vs TRL GRPOTrainer, same policy, tasks, settings")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -237,7 +265,8 @@ def main() -> int:
     ap.add_argument("--heldout", type=int, default=500)
     ap.add_argument("--long-steps", type=int, default=30)
     ap.add_argument("--trl-threads", type=int, default=2)
-    ap.add_argument("--variants", nargs="+", default=["short", "long"], choices=["short", "long"])
+    ap.add_argument("--early-steps", type=int, default=10)
+    ap.add_argument("--variants", nargs="+", default=["short", "early", "long"], choices=["short", "early", "long"])
     ap.add_argument("--factory-override", action="append", default=[], metavar="KEY=VALUE",
                     help="a recipe override for Factory's side (repeatable), e.g. "
                          "algorithm.filter_zero_variance=false to train every group as TRL does")
@@ -262,14 +291,16 @@ def main() -> int:
     results: dict = {"start": start, "trl_version": trl.__version__, "threads": {
         "factory": {"trainer": base.train.threads, "engine": base.rollout.cpus}, "trl": args.trl_threads}}
     if "short" in args.variants:
-        results["short"] = variant("short", args.steps, 8, args, policy, start)
+        results["short"] = variant("short", args.steps, 8, args, policy, start, args.eval_every)
+    if "early" in args.variants:
+        results["early"] = variant("early", args.early_steps, 8, args, policy, start, 1)
     if "long" in args.variants:
-        results["long"] = variant("long", args.long_steps, 64, args, policy, start)
+        results["long"] = variant("long", args.long_steps, 64, args, policy, start, args.eval_every)
     results["goals"] = GOALS
     results["heldout_n"] = args.heldout
     results["factory_overrides"] = args.factory_override
     write_results(args.out, results)
-    if "short" in results:
+    if "short" in results or "early" in results:
         plot(results, Path(args.out).with_suffix(".png"))
     return 0
 
