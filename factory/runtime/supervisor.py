@@ -229,15 +229,27 @@ class Supervisor:
     def resync(self, why: str) -> None:
         """A weight update failed while every engine still answers (its weight group broke: a connection
         reset, a receive cut short): form the group anew and give every engine the trainer's current
-        weights at its version, as after a restart. Counted against `rollout.max_engine_restarts`."""
-        n = self._count("sync", self.recipe.rollout.max_engine_restarts, "rollout.max_engine_restarts",
-                        "the weight group", why)
-        log.warning("weight sync failed while the engines answer (%s); forming the weight group anew and "
-                    "sending the current weights (retry %d)", why, n)
+        weights at its version, as after a restart. Each try counts against `rollout.max_engine_restarts`;
+        a try that fails too is tried again, unless a probe then finds an engine (or worker) lost, which
+        `check` recovers (giving every engine the weights), or an actor died (the trainer: the loop's)."""
         t0 = time.perf_counter()
-        if self.sync is not None:
-            self.sync.abandon()
-        self._reconnect()
+        while True:
+            n = self._count("sync", self.recipe.rollout.max_engine_restarts, "rollout.max_engine_restarts",
+                            "the weight group", why)
+            log.warning("weight sync failed while the engines answer (%s); forming the weight group anew and "
+                        "sending the current weights (retry %d)", why, n)
+            if self.sync is not None:
+                self.sync.abandon()
+            try:
+                self._reconnect()
+                break
+            except Exception as err:
+                if self.probe_now():  # noted lost: the loop's next `check` recovers it
+                    log.warning("forming the weight group anew failed (%s): an engine was lost", type(err).__name__)
+                    break
+                if isinstance(err, ray.exceptions.RayActorError):  # an actor no probe watches died: the trainer
+                    raise
+                why = f"forming it anew: {first_line(getattr(err, 'cause', None) or err)}"
         self.recover_s.append(time.perf_counter() - t0)
 
     def _wait_for(self, i: int) -> None:
