@@ -37,7 +37,9 @@ pytestmark = pytest.mark.integration
 SHORT = ["train.steps=3", "eval.before=false", "eval.heldout=16"]
 # the run that is killed: long enough to be caught past a checkpoint, and then to train on through two
 # service outages in its relaunch (12 steps were finished before the probe caught one); lake commits every 0.5 s
-LONG_STEPS, LONG_EVERY = 24, 6  # checkpoints 6 steps apart: the lake probe (seconds) fits inside one interval
+# checkpoints 8 steps apart: the kill waits for the lake to hold rows two steps past one, and its commits
+# can lag the run dir by a few steps under load; the window to catch it is 5 steps wide, 3 chances
+LONG_STEPS, LONG_EVERY = 32, 8
 LONG = [f"train.steps={LONG_STEPS}", f"train.checkpoint_every={LONG_EVERY}", "eval.before=false", "eval.after=false",
         "train.max_restarts=1", "lake.commit_interval_s=0.5"]
 
