@@ -7,8 +7,10 @@ cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 [ "$(id -u)" = 0 ] || { echo "sandbox-setup: must run as root (apt-get, dockerd, debootstrap)" >&2; exit 1; }
 
-# Which python builds the images: the project's venv when it exists, else the system python (+ PyYAML).
-PY="${FACTORY_HOME:-$PWD/.state}/venv/bin/python"
+# Which python builds the images: $FACTORY_SANDBOX_PYTHON if set (infra/setup.sh: the system's, since
+# it runs this beside the venv's install), else the project's venv when it exists, else the system
+# python (+ PyYAML).
+PY="${FACTORY_SANDBOX_PYTHON:-${FACTORY_HOME:-$PWD/.state}/venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 
 need=()

@@ -1,12 +1,31 @@
 #!/usr/bin/env bash
-# Idempotent set-up of a fresh Debian 12 machine: a venv in the state dir with the project, then
-# (as root) the code-sandbox packages, a running dockerd and the sandbox images. Safe to re-run;
-# it skips what is already there.
+# Idempotent set-up of a fresh Debian 12 machine: a venv in the state dir with the project; beside
+# it (as root) the code-sandbox packages, a running dockerd and the sandbox images, then the
+# production profile's services. Safe to re-run; it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STATE="${FACTORY_HOME:-$PWD/.state}"
 VENV="$STATE/venv"
 mkdir -p "$STATE"
+
+# The system part needs nothing from the venv (the sandbox images are built by the system Python +
+# PyYAML), so it runs in the background while pip installs: apt, debootstrap and npm downloads
+# overlap pip's. Its output is printed once it ends.
+system_part() {
+  # bubblewrap / docker / debootstrap, dockerd, sandbox images (needs root)
+  if [ "$(id -u)" = 0 ]; then
+    FACTORY_SANDBOX_PYTHON=python3 bash .ci/sandbox-setup.sh
+  else
+    echo "setup: not root: skipping the sandbox packages (see .ci/sandbox-setup.sh)" >&2
+  fi
+  # the production profile's services (PostgreSQL from Debian, s3rver beside the venv's packages):
+  # tests/infra runs them
+  S3RVER_DIR="$VENV/s3rver" bash infra/production/install.sh \
+    || echo "setup: the production profile's services are not installed (see infra/production/install.sh)" >&2
+}
+system_log="$(mktemp)"
+system_part >"$system_log" 2>&1 &
+system=$!
 
 stamp="$VENV/.factory-installed"
 want="$(sha256sum pyproject.toml | cut -c1-16)"
@@ -24,13 +43,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: venv ready ($VENV)"
 fi
 
-# bubblewrap / docker / debootstrap, dockerd, sandbox images (needs root)
-if [ "$(id -u)" = 0 ]; then
-  bash .ci/sandbox-setup.sh
-else
-  echo "setup: not root: skipping the sandbox packages (see .ci/sandbox-setup.sh)" >&2
-fi
-
-# the production profile's services (PostgreSQL from Debian, s3rver into the venv): tests/infra runs them
-S3RVER_DIR="$VENV/s3rver" bash infra/production/install.sh \
-  || echo "setup: the production profile's services are not installed (see infra/production/install.sh)" >&2
+wait "$system" || { cat "$system_log"; echo "setup: the system part (sandboxes, production services) failed (above)" >&2; exit 1; }
+cat "$system_log"
+rm -f "$system_log"
