@@ -536,6 +536,7 @@ def summary_position(table: Table, run_id: str) -> int | None:
             return int(value)
     return None
 
+
 def _count(table: Table, row_filter: Any, column: str) -> int:
     return table.scan(row_filter=row_filter, selected_fields=(column,)).to_arrow().num_rows
 

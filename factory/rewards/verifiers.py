@@ -45,7 +45,7 @@ class Verifier:
     """A registered verifier: its scorer, its config options as name -> (type, default or REQUIRED),
     the row columns it reads (`reads(config)` -> metadata key -> column, None for an optional one left
     unset), a load-time check of one row (`check(reference, fields, config)` -> problem or None), and
-`warm(config)`: load what scoring needs (imports, built scorers) before the first reply arrives."""
+    `warm(config)`: load what scoring needs (imports, built scorers) before the first reply arrives."""
 
     score: ScoreFn
     options: dict[str, tuple[type | tuple[type, ...], Any]] = field(default_factory=dict)
