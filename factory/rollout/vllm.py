@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -206,6 +207,9 @@ class VLLMEngine(ServerClient):
         self._batches = 0
         self.batch_route = True  # servers we start add it; an attached one is asked at start
         self.update_route = True  # /factory/v1/update_weights: off once a server answers 404
+        # /factory/v1/sample (wait mode's seeded batches): off once a server answers 404, and for LoRA
+        # (adapters are looked up by the token endpoint)
+        self.sample_route = True
         self._prefix_reset: bool | None = None  # the reset done with this update's load, if it was
 
     async def start(self) -> None:
@@ -261,6 +265,8 @@ class VLLMEngine(ServerClient):
         max_new_tokens, temperature, top_p, top_k, stop_ids, seed, min_new_tokens, support_k = key
         if seed == "per-request":  # /v1/completions takes one seed for all prompts; the batch route one each
             async with self.gate:  # as below: an update waits for these to drain, so one version sampled them
+                if self.sample_route and await self._flush_sampled(batch, self.version):
+                    return
                 return await self._flush_versioned(batch, version=self.version)
         body = {
             "model": self.model, "prompt": [p for p, *_ in batch], "max_tokens": max_new_tokens,
@@ -344,45 +350,90 @@ class VLLMEngine(ServerClient):
         through updates (the server holds running requests, pause with KV kept, and queues new ones
         until /resume); seeded requests in wait mode call it inside the gate with the `version` that
         holds throughout (the server's own labels are only kept current in inflight mode)."""
-        self._batches += 1
         requests = []
         for prompt_ids, request_id, _, sampling in batch:
             # detokenize off: we keep token ids and decode what we need ourselves; vLLM's incremental
             # detokenizer cost its API server ~0.19 ms of CPU per 16-token completion here (20% of
             # its share of a request; same tokens sampled)
-            params = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                      "top_p": sampling.top_p, "top_k": sampling.top_k, "logprobs": sampling.support_k or 0,
-                      "skip_special_tokens": False, "detokenize": False}
-            if sampling.stop_token_ids:
-                params["stop_token_ids"] = list(sampling.stop_token_ids)
-            if sampling.min_new_tokens:
-                params["min_tokens"] = sampling.min_new_tokens
-            if sampling.seed is not None:
-                params["seed"] = sampling.seed
+            params = {**self._params(sampling), "skip_special_tokens": False, "detokenize": False}
             requests.append({"request_id": request_id, "token_ids": list(prompt_ids), "sampling_params": params,
                              "model": self.model})
             self._engine_ids[request_id] = f"generate-tokens-{request_id}"
+        choices = await self._post_batch("/factory/v1/generate_batch", requests, batch)
+        self._settle(batch, choices or [{"error": "no batch route (404)"}] * len(batch), "vLLM token endpoint",
+                     lambda choice, prompt_len, sampling: self._versioned_generation(
+                         choice, prompt_len, sampling.support_k, version))
+
+    async def _flush_sampled(self, batch, version: int) -> bool:
+        """The prompts through our `/factory/v1/sample` (vLLM's engine client with no OpenAI layer and no
+        detokenization; see vllm_site/factory_routes.py), all sampled by `version` (the caller holds the
+        gate). False, with nothing settled, where the server lacks the route."""
+        requests = []
+        for prompt_ids, request_id, _, sampling in batch:
+            requests.append({"request_id": request_id, "token_ids": list(prompt_ids),
+                             "sampling_params": self._params(sampling)})
+            self._engine_ids[request_id] = request_id
+        choices = await self._post_batch("/factory/v1/sample", requests, batch)
+        if choices is None:
+            self.sample_route = False
+            return False
+
+        def generation(choice: dict, prompt_len: int, sampling: SamplingParams) -> Generation:
+            ids = choice["token_ids"]
+            support = ([support_from([(t, lp) for t, lp in top], sampling.support_k) for top in choice["top"]]
+                       if sampling.support_k else None)
+            self.stats["requests"] += 1
+            self.stats["tokens"] += len(ids)
+            return Generation(ids, choice["logprobs"], [version] * len(ids), choice["finish_reason"], prompt_len,
+                              support)
+
+        self._settle(batch, choices, "vLLM sample route", generation)
+        return True
+
+    @staticmethod
+    def _params(sampling: SamplingParams) -> dict:
+        """vLLM SamplingParams fields for one of our requests."""
+        params: dict[str, Any] = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                                  "top_p": sampling.top_p, "top_k": sampling.top_k, "logprobs": sampling.support_k or 0}
+        if sampling.stop_token_ids:
+            params["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.min_new_tokens:
+            params["min_tokens"] = sampling.min_new_tokens
+        if sampling.seed is not None:
+            params["seed"] = sampling.seed
+        return params
+
+    async def _post_batch(self, path: str, requests: list[dict], batch) -> list[dict] | None:
+        """One batch route call: its choices, in order; None if the server has no such route (404). A
+        server gone or hung comes back as {"lost": error} for every prompt (the caller must see it so), any
+        other failure as {"error": ...}."""
+        self._batches += 1
         try:
-            resp = await self.client.post("/factory/v1/generate_batch", json={"requests": requests})
+            resp = await self.client.post(path, json={"requests": requests})
+            if resp.status_code == 404:
+                return None
             resp.raise_for_status()
-            choices = resp.json()["choices"]
-        except httpx.TransportError as err:  # the server is gone or hung: the caller must see that as such
-            choices = [{"lost": err}] * len(batch)
+            return resp.json()["choices"]
+        except httpx.TransportError as err:
+            return [{"lost": err}] * len(batch)
         except Exception as err:
-            choices = [{"error": f"{type(err).__name__}: {err}"}] * len(batch)
+            return [{"error": f"{type(err).__name__}: {err}"}] * len(batch)
         finally:
             for _, request_id, *_ in batch:
                 self._engine_ids.pop(request_id, None)
+
+    @staticmethod
+    def _settle(batch, choices: list[dict], route: str, generation) -> None:
+        """Each waiter of `batch` gets its choice's `generation(choice, prompt_len, sampling)`, or its error."""
         for (prompt_ids, _request_id, future, sampling), choice in zip(batch, choices):
             if future.done():
                 continue
             if "lost" in choice:
                 future.set_exception(choice["lost"])
-                continue
-            if "error" in choice:
-                future.set_exception(RuntimeError(f"vLLM token endpoint: {choice['error']}"))
-                continue
-            future.set_result(self._versioned_generation(choice, len(prompt_ids), sampling.support_k, version))
+            elif "error" in choice:
+                future.set_exception(RuntimeError(f"{route}: {choice['error']}"))
+            else:
+                future.set_result(generation(choice, len(prompt_ids), sampling))
 
     def _versioned_generation(self, choice: dict, prompt_len: int, support_k: int,
                               version: int | None = None) -> Generation:
@@ -495,6 +546,7 @@ class VLLMEngine(ServerClient):
         if resp.status_code != 200:
             raise RuntimeError(f"vLLM refused the LoRA adapter at {path}: {resp.text[:300]}")
         self.model = name
+        self.sample_route = False  # requests name the adapter: the token endpoint looks it up
 
     async def weight_checksum(self, name: str) -> float:
         return float((await self._rpc("weight_checksum", name))[0])

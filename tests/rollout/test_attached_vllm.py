@@ -1,5 +1,6 @@
 """Seeded requests to an attached vLLM server (`rollout.urls`), against a scripted server on loopback:
-through our batch route when the server has it, one seed per /v1/completions call when it does not
+through our sample route when the server has it, else through our batch route (a server of an older
+Factory: asked once, then left alone), one seed per /v1/completions call when it does not
 (a plain `vllm serve`), so the default `rollout.seed` works with either. Weight updates likewise: one
 call that loads and resets the prefix cache through our route, or vLLM's two dev endpoints."""
 
@@ -22,8 +23,9 @@ LOAD_REPORT = json.dumps({"tensors": 1, "receive_s": 0.001, "load_s": 0.002})
 class ScriptedVLLM:
     """A loopback HTTP server answering like vLLM (with or without our routes); records each call."""
 
-    def __init__(self, batch_route: bool):
+    def __init__(self, batch_route: bool, sample_route: bool = False):
         self.batch_route = batch_route
+        self.sample_route = sample_route
         self.calls: list[tuple[str, dict]] = []
         script = self
 
@@ -49,6 +51,10 @@ class ScriptedVLLM:
                     self.answer(200, {"choices": [
                         {"token_ids": [r["sampling_params"]["seed"] % 100], "logprobs": {"content": [{"logprob": -0.5}]}}
                         for r in body["requests"]]})
+                elif self.path == "/factory/v1/sample" and sample_route:
+                    self.answer(200, {"choices": [
+                        {"token_ids": [r["sampling_params"]["seed"] % 100], "logprobs": [-0.5], "finish_reason": "stop"}
+                        for r in body["requests"]]})
                 elif self.path == "/v1/completions":
                     self.answer(200, {"choices": [
                         {"index": i, "token_ids": [body.get("seed", 0) % 100], "logprobs": {"token_logprobs": [-0.5]},
@@ -70,9 +76,9 @@ class ScriptedVLLM:
         return [(path, body) for path, body in self.calls if body.get("requests") != []]  # not the start's probe
 
 
-@pytest.fixture(params=[True, False], ids=["batch-route", "plain-vllm"])
+@pytest.fixture(params=[(True, True), (True, False), (False, False)], ids=["sample-route", "batch-route", "plain-vllm"])
 def server(request):
-    script = ScriptedVLLM(batch_route=request.param)
+    script = ScriptedVLLM(*request.param)
     yield script
     script.http.shutdown()
 
@@ -93,11 +99,16 @@ def generate_seeded(url: str, seeds: list[int], partial: str = "wait") -> tuple[
 def test_seeded_prompts_reach_an_attached_server_with_their_own_seeds(server):
     engine, generations = generate_seeded(server.url, [11, 12, 13])
     assert [g.token_ids for g in generations] == [[11], [12], [13]]  # each sampled under its own seed
+    assert [g.logprobs for g in generations] == [[-0.5]] * 3
     calls = server.generation_calls()
     assert engine.batch_route == server.batch_route  # asked at attach
-    if server.batch_route:  # one call, each prompt with its seed
-        assert [(path, [r["sampling_params"]["seed"] for r in body["requests"]]) for path, body in calls] == \
-            [("/factory/v1/generate_batch", [11, 12, 13])]
+    seeds = [(path, [r["sampling_params"]["seed"] for r in body["requests"]]) for path, body in calls
+             if "requests" in body]
+    if server.sample_route:  # one call, each prompt with its seed
+        assert seeds == [("/factory/v1/sample", [11, 12, 13])] and engine.sample_route
+    elif server.batch_route:  # the sample route answered 404: the batch route, from then on
+        assert seeds == [("/factory/v1/sample", [11, 12, 13]), ("/factory/v1/generate_batch", [11, 12, 13])]
+        assert not engine.sample_route
     else:  # /v1/completions takes one seed per call
         assert sorted((path, body["seed"], len(body["prompt"])) for path, body in calls) == \
             [("/v1/completions", seed, 1) for seed in (11, 12, 13)]
