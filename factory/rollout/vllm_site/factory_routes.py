@@ -17,9 +17,10 @@ answers `{"choices": [{"token_ids", "logprobs", "finish_reason"[, "top"]} or {"e
 each prompt is one engine request (vLLM's `SamplingParams` as given, no detokenization, the engine
 request id as given); `logprobs` are the sampled tokens' and, when the params ask for k > 0, `top` holds
 each position's `[[token_id, logprob], ...]`. Why: the token endpoint's handler (request models,
-response models with a dict per token) cost the API server 0.048 CPU-s per 64 16-token prompts here,
-this 0.034, the same tokens sampled. Runs use it where the caller fixes the version (wait mode);
-inflight mode keeps the token endpoint for its per-token weight versions, and LoRA its adapter lookup.
+response models with a dict per token) cost the API server 0.050 CPU-s per 64 seeded 16-token prompts
+here with detokenization off, this 0.033, the same tokens sampled (bench/vllm_routes.py). Runs use it
+where the caller fixes the version (wait mode); inflight mode keeps the token endpoint for its per-token
+weight versions, and LoRA its adapter lookup.
 
 `POST /factory/v1/update_weights` (dev mode only, as `/collective_rpc`): one worker RPC, with the
 body of `/collective_rpc`, then, if the body holds `"reset_prefix_cache": {"running_requests": bool}`,
