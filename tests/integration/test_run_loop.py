@@ -78,14 +78,12 @@ def engine_back_to_wait(engine):
 def logprobs_under(weights_dir, rows, banned: int, bf16: bool = False):
     """Each row's completion logprobs under the weights in `weights_dir`, over the support the sampler
     had: `min_new_tokens` kept token `banned` (end of turn) out of it, so it is left out here too.
-    `bf16`: with the matrix products in bf16 (how far bf16 rounding moves each logprob)."""
-    import contextlib
-
+    `bf16`: the model held wholly in bf16, as the engine serves it (how far bf16 moves each logprob)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.bfloat16 if bf16 else torch.float32).eval()
     out = []
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+    with torch.no_grad():
         for r in rows:
             ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
             logits = model(input_ids=ids).logits[0].float()

@@ -15,9 +15,11 @@ from .conftest import small_recipe
 # bf16 serving vs fp32 training: per-token logprobs agree to about this much on the tiny model
 BF16_MEAN_TOL = 0.03
 BF16_MAX_TOL = 0.25
-# A token whose logprob bf16 rounding itself moves far (an unlikely token after a large logit spread)
-# may differ more: by up to this multiple of the move the trainer sees when it computes in bf16 (vLLM's
-# bf16 kernels accumulate in another order than torch's, so the two bf16 results are not the same).
+# A token whose logprob bf16 itself moves far may differ more: by up to this multiple of its move when
+# the trainer computes it with a copy of the policy held wholly in bf16, as vLLM serves it (vLLM's kernels
+# accumulate in another order than torch's, so the two bf16 results are close, not equal). The move must
+# be measured that way: autocast keeps the residual stream in fp32 and moved a token 0.017 that vLLM and
+# a bf16 copy each moved 0.194 (2,879 sampled tokens; engine vs bf16 copy: mean 0.003, max 0.083).
 BF16_MOVE_FACTOR = 4.0
 # parameters vLLM-CPU keeps as loaded (linear weights are re-packed for its kernels and cannot be read)
 UNPACKED = ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
@@ -56,7 +58,7 @@ def check_bf16_gap(gap: torch.Tensor, move: torch.Tensor, what: str = "") -> Non
 
 
 def check_against_bf16(samples: list[Sample], trainer) -> torch.Tensor:
-    """Engine vs fp32 trainer logprobs, bounded by `check_bf16_gap` (the trainer's own bf16 moves)."""
+    """Engine vs fp32 trainer logprobs, bounded by `check_bf16_gap` (the moves of the trainer's bf16 copy)."""
     fp32 = ray.get(trainer.logprobs.remote(samples))
     bf16 = ray.get(trainer.logprobs.remote(samples, True))
     gap = diffs(samples, fp32)
