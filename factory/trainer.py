@@ -84,9 +84,9 @@ class Trainer:
 
     def __init__(self, model_path: str, algorithm, train, rollout, shape: dict | None = None,
                  rank: int = 0, world_size: int = 1):
-        from factory.lean_imports import transformers_without_sklearn
+        from factory.lean_imports import lean_transformers
 
-        transformers_without_sklearn()
+        lean_transformers()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from factory.devices import resolve_device

@@ -433,9 +433,9 @@ class EnvWorkerActor(Placed):
 
     def __init__(self, model: str | DirBundle, environment, rollout, engines: list, buffer, failures=None,
                  deadlines=None, owner: str = "w0", verifiers: Sequence[Mapping] = ()):
-        from factory.lean_imports import transformers_without_sklearn
+        from factory.lean_imports import lean_transformers
 
-        transformers_without_sklearn()
+        lean_transformers()
         from factory.envs.base import make_environment
         from factory.failures import FailureLog
         from factory.model.tokens import load_tokenizer
