@@ -90,6 +90,30 @@ def test_resume_continues_the_same_run(finished_run, tmp_path):
     assert len(client.search_runs([run.info.experiment_id])) == 1
 
 
+def test_steps_queued_together_are_stored_in_one_call_within_mlflows_limits(tmp_path):
+    """The sender merges the batches queued for a run (a step's metrics each) into one log_batch call,
+    up to MLflow's 1,000 entities per call, in order; `flush` does not wait for the send interval."""
+    import time
+
+    tracker = RunTracker(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", send_interval_s=60)
+    run_id = tracker.start("merged")
+    calls = []
+    store = tracker._store
+    tracker._store = lambda batch: (calls.append((len(batch["metrics"]), len(batch["tags"]))), store(batch))[1]
+    tracker.log_metrics(0, {"first": 0.0})
+    tracker.flush()  # the first call goes at once
+    for step in range(1, 13):  # 12 steps of 200 metrics: 2,400, more than one call holds
+        tracker.log_metrics(step, {f"m{i}": float(step * i) for i in range(200)})
+    tracker.set_tags({"lineage": "kept"})
+    started = time.monotonic()
+    tracker.end("FINISHED")
+    assert time.monotonic() - started < 30  # not the 60 s interval
+    assert calls == [(1, 0), (1000, 0), (1000, 0), (400, 1)]
+    client = MlflowClient(tracker.tracking_uri)
+    assert [m.step for m in client.get_metric_history(run_id, "m7")] == list(range(1, 13))
+    assert client.get_run(run_id).data.tags["lineage"] == "kept"
+
+
 def test_many_metrics_go_in_batches(finished_run):
     tracker = RunTracker()
     run_id = tracker.start("wide", params={f"p{i}": i for i in range(250)})  # > 100 params per batch
@@ -224,7 +248,8 @@ def test_a_server_outage_past_the_deadline_stops_with_one_line_and_keeps_the_bat
     message = str(failed.value)
     assert "\n" not in message
     assert message.startswith(f"the MLflow tracking store ({server.uri}) unreachable for ")
-    assert "deadlines.service_outage_s=0.5 s" in message and f"3 unsent batches in {spill}" in message
+    # the three steps' batches were merged into one call (RunTracker.send_interval_s), and kept as one
+    assert "deadlines.service_outage_s=0.5 s" in message and f"1 unsent batches in {spill}" in message
     kept = [json.loads(line) for line in spill.read_text().splitlines()]
     assert sorted(m[3] for batch in kept for m in batch["metrics"]) == [1, 2, 3]
 

@@ -79,7 +79,8 @@ class VLLMServer(ServerProcess):
             "--model", model, "--host", host, "--port", str(self.port),
             "--dtype", dtype, *cpu_args, "--max-model-len", str(max_model_len),
             "--worker-extension-cls", "factory.weightsync.WeightReceiverExtension",
-            "--disable-log-stats", "--logprobs-mode", "processed_logprobs",
+            # no access-log line per request: tens a step, for days, in the server's log
+            "--disable-log-stats", "--disable-uvicorn-access-log", "--logprobs-mode", "processed_logprobs",
             "--enable-scale-out",  # /inference/v1/generate with per-token weight versions (inflight mode)
             *extra_args,
         ]
