@@ -65,3 +65,40 @@ def test_a_dead_workers_waiting_acquire_gets_no_group():
         assert (await b.acquire(owner="w0.1"))[0] == held[0][0]  # its replacement runs them
 
     asyncio.run(go())
+
+
+def test_many_tickets_and_reports_per_call_match_one_at_a_time():
+    """`acquire_many` hands out the free capacity (up to `most`) in the order single `acquire`s would,
+    and `finish_many` settles several groups in one call, in order, waking a waiting acquire."""
+    from factory.types import Group, Sample
+
+    def group(gid: str, task, rewards: list[float]) -> Group:
+        samples = [Sample(f"{gid}-{i}", gid, task.task_id, [1], [2], [-0.1], [1], [0], reward=r)
+                   for i, r in enumerate(rewards)]
+        return Group(gid, task, samples)
+
+    async def go():
+        one, many = buffer_actor(groups_per_step=2, max_staleness=1), buffer_actor(groups_per_step=2, max_staleness=1)
+        room = many.buffer.capacity()
+        assert room > 3
+        singles = [await one.acquire(owner="w0") for _ in range(room)]
+        first = await many.acquire_many("w0", 3)
+        rest = await many.acquire_many("w0", 100)
+        assert first + rest == singles and len(first) == 3  # all the room, no more, same ids and tasks
+        assert many.buffer.capacity() == 0
+        waiting = asyncio.ensure_future(many.acquire_many("w0", 100))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        (g0, t0), (g1, t1), (g2, _) = first
+        statuses = await many.finish_many([(group(g0, t0, [0.0, 1.0]), 1.0, None, g0),
+                                           (group(g1, t1, [1.0, 1.0]), 1.0, None, g1),  # no variance
+                                           (None, 1.0, None, g2)])  # its episode raised
+        assert statuses == ["accepted", "filtered", "failed"]
+        assert statuses == [await one.finish(group(g0, t0, [0.0, 1.0]), 1.0, None, g0),
+                            await one.finish(group(g1, t1, [1.0, 1.0]), 1.0, None, g1),
+                            await one.finish(None, 1.0, None, g2)]
+        woken = await asyncio.wait_for(waiting, 5)  # the freed slots, at once
+        assert woken and many.buffer.capacity() == 0
+        assert [gid for gid, _ in woken] == [gid for gid, _ in [await one.acquire(owner="w0") for _ in woken]]
+
+    asyncio.run(go())

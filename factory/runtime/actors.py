@@ -316,19 +316,29 @@ class BufferActor(Placed):
         """Wait for capacity; returns (group id, task) or None once stopped. `owner`: the env worker's
         token (one per incarnation); a dead worker's call that was still waiting gets None, not a group
         nobody would run (seen: bench/chaos.py lost one that way)."""
+        tickets = await self.acquire_many(owner, 1)
+        return None if tickets is None else tickets[0]
+
+    async def acquire_many(self, owner: str = "w0", most: int = 1) -> list[tuple[str, Task]] | None:
+        """`acquire`, but up to `most` tickets in one call: all the capacity free when it returns (a
+        batch taken or a group discarded frees several slots at once; one Ray call per slot cost
+        the env worker and this actor ~1 ms of CPU each)."""
         async with self.changed:
             await self.changed.wait_for(lambda: self.stopped or owner in self.retired or self.buffer.capacity() > 0)
             if self.stopped or owner in self.retired:
                 return None
-            self.buffer.start()
-            if self.restart:  # groups in flight at the checkpoint go first, under their own ids
-                group_id, task = self.restart.popleft()
-            else:
-                group_id, task = f"{self.run_id}-g{self.next_group:07d}", (self.scheduler or self.sampler).next()
-                self.next_group += 1
-            self.inflight[group_id] = task
-            self.owners[group_id] = owner
-            return group_id, task
+            tickets: list[tuple[str, Task]] = []
+            while len(tickets) < max(most, 1) and self.buffer.capacity() > 0:
+                self.buffer.start()
+                if self.restart:  # groups in flight at the checkpoint go first, under their own ids
+                    group_id, task = self.restart.popleft()
+                else:
+                    group_id, task = f"{self.run_id}-g{self.next_group:07d}", (self.scheduler or self.sampler).next()
+                    self.next_group += 1
+                self.inflight[group_id] = task
+                self.owners[group_id] = owner
+                tickets.append((group_id, task))
+            return tickets
 
     async def requeue(self, group_ids: list[str] | None = None, owner: str | None = None) -> int:
         """Put running groups back at the head of the queue under their own ids, their slots released and
@@ -349,6 +359,17 @@ class BufferActor(Placed):
     async def finish(self, group: Group | None, seconds: float | None = None, failure=None,
                      group_id: str | None = None) -> str:
         """`failure`: the EpisodeFailure of the group `group_id` that raised (group None)."""
+        status = self._finish(group, seconds, failure, group_id)
+        await self._notify()
+        return status
+
+    async def finish_many(self, reports: list[tuple]) -> list[str]:
+        """Several `finish` calls' arguments in one Ray call (groups that finished together), in order."""
+        statuses = [self._finish(*report) for report in reports]
+        await self._notify()
+        return statuses
+
+    def _finish(self, group: Group | None, seconds: float | None, failure, group_id: str | None) -> str:
         if group is not None and seconds is not None:
             self.predictor.observe(group.task, seconds)
         key = group.group_id if group is not None else group_id
@@ -362,7 +383,6 @@ class BufferActor(Placed):
             self.failed_groups.append((group_id or "unknown", failure))
         if not self.stopped:  # groups cut short by the run's end are not the environment's fault
             self.gate.record(failure if group is None else None)
-        await self._notify()
         return status
 
     async def get_batch(self) -> Batch | None:
@@ -426,6 +446,12 @@ class BufferActor(Placed):
                 "buffer/requeued_groups": float(self.requeued)}
 
 
+# an env worker's Ray calls to the buffer: finished groups gathered for this long travel as one call;
+# up to this many admission tickets per call
+REPORT_WINDOW_S = 0.002
+ACQUIRE_MOST = 16
+
+
 @ray.remote(num_cpus=0)
 class EnvWorkerActor(Placed):
     """Hosts a gateway and runs environment episodes against it, feeding groups to the buffer.
@@ -460,6 +486,11 @@ class EnvWorkerActor(Placed):
         self.buffer = buffer
         self.producing = False
         self.tasks: set[asyncio.Task] = set()
+        from factory.rollout.engine import Batcher
+
+        # groups that finish within a few ms of each other (one engine answer ends many episodes) reach
+        # the buffer in one Ray call
+        self.reports = Batcher(self._report, REPORT_WINDOW_S)
         self.failures = FailureLog(_stderr_logger("factory.env_worker"), (failures or FailuresSection()).tracebacks)
         # made while the engines start: the first replies are scored without waiting on imports (reasoning-gym
         # ~1 CPU-s, on the pipeline fill's critical path otherwise)
@@ -483,18 +514,35 @@ class EnvWorkerActor(Placed):
             group, failure = None, EpisodeFailure.of(self.env.name, task.task_id, err)
             if self.producing:  # not the groups cut short when the run stops
                 self.failures.record(failure)
-        await self.buffer.finish.remote(group, time.perf_counter() - t0, failure, group_id)
+        reported = asyncio.get_running_loop().create_future()
+        self.reports.add(((group, time.perf_counter() - t0, failure, group_id), reported))
+        await reported
+
+    async def _report(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
+        try:
+            statuses = await self.buffer.finish_many.remote([report for report, _ in batch])
+        except Exception as err:  # noqa: BLE001  (each group's task raises it, as its own call would)
+            statuses = [err] * len(batch)
+        for (_, future), status in zip(batch, statuses):
+            if future.done():
+                continue
+            if isinstance(status, BaseException):
+                future.set_exception(status)
+            else:
+                future.set_result(status)
 
     async def produce(self) -> None:
-        """Start groups whenever the buffer admits one, until `stop_producing`."""
+        """Start groups whenever the buffer admits them (as many as it has room for, per call), until
+        `stop_producing`."""
         self.producing = True
         while self.producing:
-            ticket = await self.buffer.acquire.remote(self.owner)
-            if ticket is None:
+            tickets = await self.buffer.acquire_many.remote(self.owner, ACQUIRE_MOST)
+            if tickets is None:
                 break
-            t = asyncio.create_task(self._group(*ticket))
-            self.tasks.add(t)
-            t.add_done_callback(self.tasks.discard)
+            for ticket in tickets:
+                t = asyncio.create_task(self._group(*ticket))
+                self.tasks.add(t)
+                t.add_done_callback(self.tasks.discard)
 
     async def stop_producing(self) -> None:
         self.producing = False
