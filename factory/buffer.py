@@ -10,6 +10,7 @@ Pure Python: no Ray, no torch. Not thread-safe; drive it from one event loop.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from typing import Any
 
@@ -21,6 +22,8 @@ REJECTED = "rejected"
 FAILED = "failed"
 UNUSED = "unused"  # queued, never trained: the run ended first
 
+ACCEPTANCE_WINDOW = 64  # finished groups p̂ is measured over (expect_filtering)
+ACCEPTANCE_FLOOR = 0.125  # p̂ never counts below this: at most 8x the open budget starts (and max_inflight caps it)
 MIN_GROUP_SIZE = 2  # fewer than two samples leaves no baseline to compare a reward against
 
 
@@ -66,6 +69,18 @@ class StalenessBuffer:
     Accounting invariants: accepted = consumed + queued, and
     accepted + running ≤ (η + v + 1)·B + O.
 
+    Expected filtering (`expect_filtering`, η ≥ 1 with the filter on). The rule above counts every
+    running group as if it will be accepted. When most groups are filtered (an easy task set, a
+    policy that already solves it), a step's slots refill round after round, each round a whole
+    generation's latency with a few groups in it, and the engine idles between rounds. With
+    `expect_filtering` a running group counts as p̂, the share of the last ACCEPTANCE_WINDOW finished
+    groups that the filter let through (failed ones count as not let through; floor
+    ACCEPTANCE_FLOOR); a new group may start while
+        running < ⌈((η + v + 1)·B + O − accepted) / p̂⌉   (and running < max_inflight),
+    which is the rule above when p̂ = 1. A group accepted beyond the budget is trained by a later
+    step if it is still fresh enough, else dropped as stale (the price, as with O). Off at η = 0:
+    a synchronous step trains exactly the groups it started for it (reproducible runs).
+
     Discards (`keep_discarded`): every sample that will never be trained is kept, with its fate
     (`filtered`, `rejected`, or `unused` for what `drain_unused` empties from the queue at the end) and
     the reason, until `take_discarded` hands them to the recorder: the lake holds every generated
@@ -80,6 +95,7 @@ class StalenessBuffer:
         filter_zero_variance: bool = True,
         overprovision: int = 0,
         keep_discarded: bool = False,
+        expect_filtering: bool = False,
     ) -> None:
         if groups_per_step <= 0:
             raise ValueError(f"groups_per_step must be > 0, got {groups_per_step}")
@@ -95,6 +111,8 @@ class StalenessBuffer:
             raise ValueError(f"overprovision must be >= 0, got {overprovision}")
         self.overprovision = overprovision
         self.keep_discarded = keep_discarded
+        self.expect_filtering = expect_filtering and filter_zero_variance and max_staleness > 0
+        self._let_through: deque[bool] = deque(maxlen=ACCEPTANCE_WINDOW)  # per finished group: not filtered/failed
         self._discarded: list[tuple[str, Sample, str]] = []  # (status, sample, reason)
 
         self._version = 0
@@ -132,10 +150,18 @@ class StalenessBuffer:
     def capacity(self) -> int:
         """How many more groups may start now: the formula in the class docstring."""
         inflight_room = self.max_inflight - self.running
-        staleness_room = (self.max_staleness + self._version + 1) * self.groups_per_step + self.overprovision - (
-            self.accepted + self.running
-        )
+        budget = (self.max_staleness + self._version + 1) * self.groups_per_step + self.overprovision
+        if self.expect_filtering:
+            staleness_room = math.ceil(max(0, budget - self.accepted) / self.acceptance()) - self.running
+        else:
+            staleness_room = budget - (self.accepted + self.running)
         return max(0, min(inflight_room, staleness_room))
+
+    def acceptance(self) -> float:
+        """p̂: the share of recently finished groups the filter let through (1.0 before any finished)."""
+        if not self._let_through:
+            return 1.0
+        return max(ACCEPTANCE_FLOOR, sum(self._let_through) / len(self._let_through))
 
     def start(self) -> bool:
         """Reserve a slot for one new group; False means wait (no capacity)."""
@@ -160,6 +186,7 @@ class StalenessBuffer:
         if self.running <= 0:
             raise RuntimeError("finish() called with no running group (more finishes than starts)")
         self.running -= 1
+        self._let_through.append(group is not None and not self._no_reward_variance(group.samples))
         if group is None:
             self.failed += 1
             return FAILED
@@ -278,6 +305,7 @@ class StalenessBuffer:
             "rollout/reward_all_finished": self._reward_sum / max(1, self._reward_n),
             "buffer/finished_samples": float(self._reward_n),  # every sample generated (filtered ones too)
             "buffer/capacity": float(self.capacity()),
+            "buffer/acceptance": self.acceptance(),
             "staleness/version": float(self._version),
         }
 
@@ -289,7 +317,7 @@ class StalenessBuffer:
         """Version, counters and the queued groups (whole, as JSON-able dicts): a resumed run trains
         on exactly what this one would have. Running groups are the caller's to re-start."""
         state: dict[str, Any] = {"version": self._version, "reward_sum": self._reward_sum, "reward_n": self._reward_n,
-                                 "queue": [g.to_dict() for g in self._queue]}
+                                 "queue": [g.to_dict() for g in self._queue], "let_through": list(self._let_through)}
         state.update({name: getattr(self, name) for name in self._COUNTERS})
         return state
 
@@ -302,5 +330,6 @@ class StalenessBuffer:
         self._reward_sum = float(state.get("reward_sum", 0.0))
         self._reward_n = int(state.get("reward_n", 0))
         self._queue = deque(Group.from_dict(g) for g in state.get("queue", []))
+        self._let_through = deque((bool(x) for x in state.get("let_through", [])), maxlen=ACCEPTANCE_WINDOW)
         self.running = 0
         self.accepted = self.consumed + len(self._queue)

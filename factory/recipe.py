@@ -508,6 +508,10 @@ class AsyncSection(Section):
     max_inflight_groups: int = Field(32, gt=0)
     overprovision: int = Field(0, ge=0, description="groups started beyond the staleness budget, so a step takes "
                                "the first B to finish instead of waiting for the slowest (late ones may go stale)")
+    expect_filtering: bool = Field(False, description="admission counts a running group as the share of recent "
+                                   "groups the zero-variance filter let through, so a step starts what fills its batch "
+                                   "in one round instead of refilling filtered slots round by round (η ≥ 1; see "
+                                   "factory/buffer.py)")
     schedule: Literal["fifo", "longest_first"] = Field(
         "fifo", description="which upcoming prompt starts next: in order, or the one predicted to run longest "
         "(from the run's own history of group wall times)")

@@ -294,6 +294,35 @@ def test_a_checkpoint_without_a_queue_regenerates_it():
     assert (buffer.accepted, buffer.queued, buffer.capacity()) == (2, 0, 4)
 
 
+def test_expect_filtering_starts_what_fills_the_batch_at_the_measured_acceptance():
+    """B = 4, η = 1: the budget is 8 groups. With half the finished groups filtered, a running group
+    counts as 0.5, so 16 may run; with none filtered it is the plain rule; off at η = 0."""
+    def with_history(let_through: list[bool], **kw) -> StalenessBuffer:
+        buffer = StalenessBuffer(groups_per_step=4, max_inflight=100, **kw)
+        for informative in let_through:
+            assert buffer.start()
+            buffer.finish(make_group([0.0, 1.0] if informative else [1.0, 1.0]))
+        return buffer
+
+    plain = with_history([True, False] * 4, max_staleness=1)
+    expecting = with_history([True, False] * 4, max_staleness=1, expect_filtering=True)
+    assert plain.accepted == expecting.accepted == 4  # 4 accepted of 8 finished: 4 of the 8 budget left
+    assert expecting.acceptance() == 0.5 and plain.capacity() == 4
+    assert expecting.capacity() == 8  # ceil((8 - 4) / 0.5) - 0 running
+    start_n(expecting, 3)
+    assert expecting.capacity() == 5 and expecting.metrics()["buffer/acceptance"] == 0.5
+    # every group let through: the plain rule
+    assert with_history([True] * 3, max_staleness=1, expect_filtering=True).capacity() == 5
+    # almost every group filtered: at most 1 / ACCEPTANCE_FLOOR = 8 times the open budget
+    assert with_history([True] + [False] * 40, max_staleness=1, expect_filtering=True).capacity() == 7 * 8
+    # synchronous: off
+    assert with_history([True, False] * 2, max_staleness=0, expect_filtering=True).capacity() == 2  # 4 - 2
+    # a resumed buffer measures from where it left off
+    back = StalenessBuffer(groups_per_step=4, max_staleness=1, max_inflight=100, expect_filtering=True)
+    back.load_state_dict(expecting.state_dict())
+    assert back.acceptance() == 0.5
+
+
 # ---- randomized invariants -----------------------------------------------------------------
 
 buffer_configs = st.fixed_dictionaries(
@@ -302,6 +331,7 @@ buffer_configs = st.fixed_dictionaries(
         max_staleness=st.integers(0, 3),
         max_inflight=st.integers(1, 12),
         filter_zero_variance=st.booleans(),
+        expect_filtering=st.booleans(),
     )
 )
 
@@ -391,7 +421,8 @@ class LoopDriver:
         assert b.capacity() >= 0
         assert b.accepted == b.consumed + b.queued
         assert b.consumed == self.batches_taken * b.groups_per_step
-        assert b.accepted + b.running <= (b.max_staleness + b.version + 1) * b.groups_per_step
+        if not b.expect_filtering:  # (with it, groups beyond the budget run: their staleness is what is checked)
+            assert b.accepted + b.running <= (b.max_staleness + b.version + 1) * b.groups_per_step
         assert all(b.staleness(s) <= b.max_staleness for g in b._queue for s in g.samples)
 
 

@@ -291,7 +291,8 @@ class BufferActor(Placed):
 
         self.run_id = run_id
         self.buffer = StalenessBuffer(train.groups_per_step, async_.max_staleness, async_.max_inflight_groups,
-                                      algorithm.filter_zero_variance, async_.overprovision, keep_discarded)
+                                      algorithm.filter_zero_variance, async_.overprovision, keep_discarded,
+                                      async_.expect_filtering)
         self.failed_groups: list[tuple[str, Any]] = []  # (group id, EpisodeFailure) until take_discarded
         self.sampler = TaskSampler(tasks, train.seed)
         self.tasks_by_id = {t.task_id: t for t in tasks}
