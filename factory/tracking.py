@@ -392,9 +392,9 @@ class RunTracker:
                             with open(self.spill_path, "a") as out:
                                 out.write(json.dumps(self._queue.pop()) + "\n")
                             self._spilled += 1
+                    self._busy = False  # the batch in hand is back in the queue (or the spill file): not counted twice
                     self._gave_up = self.outage.error(self._kept())
                     log.error("%s", self._gave_up)
-                    self._busy = False
                     self._lock.notify_all()
                 return
             except Exception as error:  # the store refused it (not an outage): `flush` raises it
