@@ -206,11 +206,14 @@ class RunRecorder:
                                               "path": str(path), "lineage": manifest}])
 
     def flush(self) -> None:
-        """Wait until the lake has committed every row recorded so far (before a checkpoint is saved:
-        a run resumed from it re-sends nothing up to it)."""
+        """Wait until the lake has committed every row recorded so far and MLflow holds every step logged
+        so far (before a checkpoint is saved: a run resumed from it re-sends nothing up to it, and a
+        crashed attempt's unsent steps are only those past it)."""
         self.drain()
         if self.lake is not None:
             self.lake.flush()
+        if self.tracker is not None:
+            self.tracker.flush()
 
     def log_evaluation(self, step: int, version: int, suite: str, result: dict[str, Any], episodes: list | None = None,
                        tag: str = "") -> None:

@@ -55,6 +55,23 @@ def test_a_resumed_run_rewinds_the_lake_and_continues_its_mlflow_run(tmp_path, m
     assert RunTracker().find_run("run-1") == mlflow_run
 
 
+def test_a_checkpoints_flush_puts_every_step_so_far_in_mlflow(tmp_path, monkeypatch):
+    """The MLflow sender merges steps (one call per `send_interval_s`); a checkpoint's `flush` must not
+    leave steps up to it queued in memory, where a killed run loses them and its resumed attempt, which
+    logs only the steps after the checkpoint, never sends them (the production test caught one)."""
+    monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    recipe = load_recipe(REPO_ROOT / "recipes" / "default.yaml", ["lake.enabled=false", "tracking.enabled=true"])
+    recorder = RunRecorder(recipe, tmp_path / "run-1")
+    recorder.tracker.send_interval_s = 60.0
+    for step in (1, 2, 3):
+        recorder.log_step(step, {"train/loss": 1.0 / step})
+    recorder.flush()
+    history = MlflowClient(default_tracking_uri()).get_metric_history(recorder.tracker.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [1, 2, 3]
+    recorder.finish({"steps": 3})
+
+
 def test_the_experiment_opens_on_model_training_not_the_genai_view(tmp_path, monkeypatch):
     """MLflow 3's UI shows an experiment without `mlflow.experimentKind` as a GenAI (traces) experiment."""
     monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "state"))
