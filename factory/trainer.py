@@ -291,9 +291,9 @@ class Trainer:
             held = copy.deepcopy(self.policy)
             for param in held.parameters():  # buffers (RoPE's frequencies) stay fp32, as in a bf16-loaded model
                 param.data = param.data.to(torch.bfloat16)
-            logp = held({k: tensors[k] for k in FORWARD_KEYS if k in tensors}).cpu()
         else:
-            logp = self._forward(self.policy, tensors).cpu()
+            held = self.policy
+        logp = self._forward(held, tensors).cpu()  # (autocast, where precision=bf16, is a no-op on a bf16 copy)
         return [logp[i, : len(s.completion_ids)].tolist() for i, s in enumerate(samples)]
 
     # ---- weights out -------------------------------------------------------------------------
