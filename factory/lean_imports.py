@@ -13,16 +13,21 @@ pays them at its start. Factory never uses assisted generation or detection loss
 from __future__ import annotations
 
 import sys
+from types import ModuleType
 
 
-def lean_transformers() -> None:
+def lean_transformers(utils: ModuleType | None = None) -> None:
     """Before the first import of `transformers.generation` and `transformers.loss` in this process,
     tell them that scikit-learn and scipy are absent (only transformers' own checks,
     `transformers.utils.is_sklearn_available` and `is_scipy_available`, answer "no": the rest of
-    transformers and any other user of either library are untouched). A no-op once they were imported."""
+    transformers and any other user of either library are untouched). A no-op once they were imported.
+    `utils`: the `transformers.utils` module, for a caller that has it while transformers is still
+    being imported (an import hook)."""
     if "transformers.generation.candidate_generator" in sys.modules or "transformers.loss.loss_utils" in sys.modules:
         return
-    import transformers.utils
+    if utils is None:
+        import transformers.utils
 
-    transformers.utils.is_sklearn_available = lambda: False
-    transformers.utils.is_scipy_available = lambda: False
+        utils = transformers.utils
+    setattr(utils, "is_sklearn_available", lambda: False)  # noqa: B010  (a module's attribute, not a typed one)
+    setattr(utils, "is_scipy_available", lambda: False)  # noqa: B010

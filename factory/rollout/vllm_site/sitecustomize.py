@@ -22,6 +22,9 @@ engine core's first line 9 s after the API server's with spawn, the same second 
 CUDA vLLM itself forks unless CUDA is already initialised; on CPU nothing in the API server at that
 point (no OpenMP pool, no CUDA) makes a fork unsafe.
 
+transformers, as vLLM imports it, is told that scikit-learn and scipy are absent
+(factory/lean_imports.py): ~1 s of every server's start, on its critical path.
+
 It also adds routes to the API server (factory_routes.py): `/factory/v1/generate_batch`, the
 token endpoint for many prompts in one HTTP request, for inflight partial rollouts, and
 `/factory/v1/update_weights`, a weight load and the prefix-cache reset in one request.
@@ -64,11 +67,18 @@ def _patch_mp_context(module) -> None:
         module.get_mp_context = lambda: multiprocessing.get_context("fork")
 
 
+def _lean_transformers(module) -> None:
+    from factory.lean_imports import lean_transformers  # the repo is on the server's PYTHONPATH
+
+    lean_transformers(module)  # transformers itself is still being imported
+
+
 _PATCHES = {
     "vllm.distributed.device_communicators.shm_broadcast": _patch_spin,
     "vllm.entrypoints.scale_out.token_in_token_out.api_router": _patch_routes,
     "vllm.model_executor.models.registry": _patch_inspection,
     "vllm.utils.system_utils": _patch_mp_context,
+    "transformers.utils": _lean_transformers,
 }
 
 
