@@ -24,6 +24,9 @@ TEST_OVERRIDES = [
     "model.sft_steps=120", "data.train_size=2000", "data.heldout_size=300",
     "train.groups_per_step=4", "rollout.group_size=4", "train.steps=4", "train.checkpoint_every=2",
     "eval.heldout=64", "train.threads=1", "algorithm.filter_zero_variance=false",
+    # 262k tokens of KV cache (2 GB: 524k), far more than a test uses; 1 GB less to zero at each vLLM
+    # start (~0.5 s), and less memory with two test lanes
+    "rollout.kv_cache_gb=1",
 ]
 FILTER_ON = "algorithm.filter_zero_variance=true"
 
