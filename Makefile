@@ -2,7 +2,7 @@
 STATE ?= $(CURDIR)/.state
 PY := $(STATE)/venv/bin/python
 
-.PHONY: setup sglang-venv main test unit lint bench cluster-demo production-up production-down
+.PHONY: setup sglang-venv test-policies main test unit lint bench cluster-demo production-up production-down
 
 setup:
 	bash infra/setup.sh
@@ -20,8 +20,13 @@ sglang-venv:
 # The whole suite in one pytest session, the production profile's end-to-end test (tests/infra: Postgres,
 # S3, MLflow server, Ray head, Dagster webserver + daemon; ~5 min) included: it shares the session's
 # warm-start policy (a session of its own built it again, ~17 s). The slowest tests are printed last.
-test: setup sglang-venv
+test: setup sglang-venv test-policies
 	$(PY) -m pytest -q --durations=30 tests
+
+# The suite's policies (the small test recipe's, the Qwen2-style one's, the GSM8K test's), built into the
+# state dir once, where every test session links them (otherwise each session builds them again, ~90 s)
+test-policies: setup
+	$(PY) -m tests.policies
 
 # The fast part of the suite (no servers: pure logic, recipes, the lake on SQLite, Dagster in-process,
 # sandboxes); what to run while editing

@@ -26,9 +26,13 @@ question counts once its `####` line is the likelier choice, and compared with 2
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -55,18 +59,45 @@ SHORT = [f"train.steps={STEPS}", f"train.groups_per_step={GROUPS}", f"rollout.gr
 
 @pytest.fixture(scope="module")
 def easy_files(tmp_path_factory):
-    """The recipe's overrides that point it at train.jsonl and test.jsonl of the easy family, written here."""
+    return write_easy_files(tmp_path_factory.mktemp("gsm8k-easy"))
+
+
+def write_easy_files(out: Path) -> list[str]:
+    """The recipe's overrides that point it at train.jsonl and test.jsonl of the easy family, written to `out`."""
     from factory.data.gsm8k_format import gsm8k_rows, jsonl
 
-    out = tmp_path_factory.mktemp("gsm8k-easy")
     for split, rows in gsm8k_rows(TRAIN, HELDOUT, family=EASY).items():
         (out / f"{split}.jsonl").write_text(jsonl(rows), encoding="utf-8")
     return [f"data.sources[0].path={out / 'train.jsonl'}", f"data.sources[0].heldout.path={out / 'test.jsonl'}"]
 
 
 @pytest.fixture(scope="module")
-def forgetful_policy(policy, easy_files, tmp_path_factory):
-    return build_forgetful_policy(policy, easy_files, tmp_path_factory.mktemp("gsm8k-policy"))
+def forgetful_policy(policy, easy_files):
+    return ensure_forgetful_policy(policy, easy_files)
+
+
+def ensure_forgetful_policy(policy: Path, easy_files: list[str]) -> Path:
+    """`build_forgetful_policy` on `policy`, cached in the state dir's models/ as tiny-gsm8k-forgetful-<key>
+    (the key: the base policy's directory name, which holds its fingerprint, the files' rows and the
+    warm start's settings). A test session links the user's (`python -m tests.policies`, which `make test`
+    runs, builds it there: ~55 s on 2 cores); else it is built in the session's own state dir."""
+    from factory.data.gsm8k_format import gsm8k_rows
+    from factory.paths import models_dir
+
+    key = {"base": Path(policy).name, "rows": gsm8k_rows(TRAIN, HELDOUT, family=EASY), "sft_steps": SFT_STEPS,
+           "cuts": CUTS, "seed": 0, "version": 1}
+    out = models_dir() / f"tiny-gsm8k-forgetful-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
+    if (out / "sft.json").is_file():
+        return out
+    staging = out.with_name(f".{out.name}-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    build_forgetful_policy(policy, easy_files, staging)
+    (staging / "sft.json").write_text(json.dumps({k: v for k, v in key.items() if k != "rows"}))  # complete
+    try:
+        staging.rename(out)  # published whole
+    except OSError:  # another process published it first
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
 
 
 def build_forgetful_policy(policy, easy_files, out, seed: int = 0, sft_steps: int = SFT_STEPS, cuts: int = CUTS):
