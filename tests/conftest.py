@@ -149,3 +149,48 @@ def _sglang_users_together(items) -> None:
 def pytest_runtest_teardown(item, nextitem):
     if item.nodeid == _SGLANG.get("last"):
         _stop_sglang()
+
+
+# ---- CPU per test (printed after pytest's --durations) -------------------------------------------
+# The suite is CPU-bound on 2 cores (two pytest workers made every test 1.5-2x slower: session 17), so
+# what shortens it is less CPU, and wall time alone hides where CPU goes. Each test's CPU is that of
+# this process's tree over the test: every live process's own and reaped children's CPU seconds
+# (/proc/<pid>/stat utime, stime, cutime, cstime), so servers started by fixtures count toward the
+# tests that kept them busy. A process that leaves the tree takes its CPU with it (a daemon that
+# double-forks; Ray's agents, orphaned when a cluster shuts down): a test that loses one counts 0.
+
+_CPU: dict[str, float] = {}
+
+
+def _tree_cpu_s() -> float:
+    import os
+
+    import psutil
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    me = psutil.Process()
+    total = 0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        except (OSError, psutil.Error, IndexError, ValueError):
+            continue  # gone meanwhile
+    return total / ticks
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = _tree_cpu_s()
+    yield
+    _CPU[item.nodeid] = max(0.0, _tree_cpu_s() - before)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _CPU:
+        return
+    top = sorted(_CPU.items(), key=lambda kv: -kv[1])[:30]
+    terminalreporter.write_sep("=", f"most CPU: 30 of {len(_CPU)} tests, {sum(_CPU.values()):.0f} CPU-s in all")
+    for nodeid, seconds in top:
+        terminalreporter.write_line(f"{seconds:8.1f} CPU-s  {nodeid}")
