@@ -157,7 +157,8 @@ def pytest_runtest_teardown(item, nextitem):
 # this process's tree over the test: every live process's own and reaped children's CPU seconds
 # (/proc/<pid>/stat utime, stime, cutime, cstime), so servers started by fixtures count toward the
 # tests that kept them busy. A process that leaves the tree takes its CPU with it (a daemon that
-# double-forks; Ray's agents, orphaned when a cluster shuts down): a test that loses one counts 0.
+# double-forks, as the production stack's supervisor does, so tests/infra/ counts only its client;
+# Ray's agents, orphaned when a cluster shuts down): a test that loses one counts 0. A lower bound.
 
 _CPU: dict[str, float] = {}
 
