@@ -18,8 +18,8 @@ sglang-venv:
 	bash infra/sglang-venv.sh
 
 # The whole suite in one pytest session, the production profile's end-to-end test (tests/infra: Postgres,
-# S3, MLflow server, Ray head, Dagster webserver + daemon; ~5 min) included: it shares the session's
-# warm-start policy (a session of its own built it again, ~17 s). The slowest tests are printed last.
+# S3, MLflow server, Ray head, Dagster webserver + daemon; ~4 min) included. The slowest tests and the
+# CPU-heaviest are printed last.
 test: setup sglang-venv test-policies
 	$(PY) -m pytest -q --durations=30 tests
 

@@ -21,10 +21,13 @@ def main() -> None:
     from tests.integration.conftest import qwen2_recipe, small_recipe
     from tests.integration.test_gsm8k_format import ensure_forgetful_policy, write_easy_files
 
-    for recipe in (small_recipe(), qwen2_recipe()):
-        print(f"tests.policies: {ensure_base_policy(recipe)}", flush=True)
+    from factory.progress import RunProgress
+
+    for recipe in (small_recipe(), qwen2_recipe()):  # a bar per warm start (none for one already built)
+        print(f"tests.policies: {ensure_base_policy(recipe, RunProgress(0).on_sft_step)}", flush=True)
     with tempfile.TemporaryDirectory() as files:  # the GSM8K test's policy, warm-started on these files
-        policy = ensure_forgetful_policy(ensure_base_policy(small_recipe()), write_easy_files(Path(files)))
+        policy = ensure_forgetful_policy(ensure_base_policy(small_recipe()), write_easy_files(Path(files)),
+                                         RunProgress(0).on_sft_step)
     print(f"tests.policies: {policy}")
 
 

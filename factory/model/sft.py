@@ -166,33 +166,43 @@ def ensure_base_policy(recipe, progress=None) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path: {path} holds no config.json (not a Hugging Face model dir)")
         return path
-    out = cached_policy_dir(recipe)
+    return build_once(cached_policy_dir(recipe), lambda tmp: _build_base_policy(recipe, tmp, progress))
+
+
+def build_once(out: Path, build) -> Path:
+    """`out` (a policy dir, complete once it holds sft.json), made by `build(tmp)` unless it exists.
+    One build at a time per dir: processes that need it together (a sweep's runs, two test sessions)
+    wait for the first, then find it published. `build` writes into a dir of this process's own,
+    sft.json last, published by one rename: a crash mid-build leaves no half-made policy, and builders
+    the lock cannot reach (another machine, a filesystem without flock) cannot mix their files (seen
+    before the lock: a shared dir got mixed files); the first to finish publishes."""
     if (out / "sft.json").is_file():
         return out
-    # one build at a time per policy: processes that need it together (a sweep's runs, two test
-    # sessions) wait for the first, then find it published
+
     def waiting(holder: str) -> None:
-        print(f"waiting for pid {holder}, which is building the base policy {out.name}", file=sys.stderr, flush=True)
+        print(f"waiting for pid {holder}, which is building the policy {out.name}", file=sys.stderr, flush=True)
 
     with exclusive(out.with_name(f".{out.name}.lock"), on_wait=waiting):
         if not (out / "sft.json").is_file():
-            _build_base_policy(recipe, out, progress)
+            tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            build(tmp)
+            try:
+                tmp.rename(out)  # atomic publish
+            except OSError:  # another process published the same policy first (the same inputs, the same result)
+                shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def _build_base_policy(recipe, out: Path, progress) -> None:
+def _build_base_policy(recipe, tmp: Path, progress) -> None:
+    """The warm start of `recipe`'s tiny model, written to `tmp` (sft.json last)."""
     import torch
 
     from factory.data.tasks import ReasoningGymSource
     from factory.envs.base import make_environment
     from factory.model.tiny import build_model, build_tokenizer
 
-    # a build dir of this process's own, published by one rename: a crash mid-build leaves no half-made
-    # policy, and builders the lock cannot reach (another machine, a filesystem without flock) cannot
-    # mix their files (seen before the lock: a shared dir got mixed files); the first to finish publishes
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     t0 = time.time()
     source = ReasoningGymSource.from_recipe(recipe.data)
     env = make_environment(recipe.environment)
@@ -214,7 +224,3 @@ def _build_base_policy(recipe, out: Path, progress) -> None:
         "seconds": time.time() - t0,
     }
     (tmp / "sft.json").write_text(json.dumps(meta))
-    try:
-        tmp.rename(out)  # atomic publish: a crash mid-build never leaves a half-made cached policy
-    except OSError:  # another process published the same policy first (the same recipe, the same result)
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -29,8 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -76,31 +74,28 @@ def forgetful_policy(policy, easy_files):
     return ensure_forgetful_policy(policy, easy_files)
 
 
-def ensure_forgetful_policy(policy: Path, easy_files: list[str]) -> Path:
+def ensure_forgetful_policy(policy: Path, easy_files: list[str], progress=None) -> Path:
     """`build_forgetful_policy` on `policy`, cached in the state dir's models/ as tiny-gsm8k-forgetful-<key>
     (the key: the base policy's directory name, which holds its fingerprint, the files' rows and the
     warm start's settings). A test session links the user's (`python -m tests.policies`, which `make test`
     runs, builds it there: ~55 s on 2 cores); else it is built in the session's own state dir."""
     from factory.data.gsm8k_format import gsm8k_rows
+    from factory.model.sft import build_once
     from factory.paths import models_dir
 
     key = {"base": Path(policy).name, "rows": gsm8k_rows(TRAIN, HELDOUT, family=EASY), "sft_steps": SFT_STEPS,
            "cuts": CUTS, "seed": 0, "version": 1}
-    out = models_dir() / f"tiny-gsm8k-forgetful-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
-    if (out / "sft.json").is_file():
-        return out
-    staging = out.with_name(f".{out.name}-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    build_forgetful_policy(policy, easy_files, staging)
-    (staging / "sft.json").write_text(json.dumps({k: v for k, v in key.items() if k != "rows"}))  # complete
-    try:
-        staging.rename(out)  # published whole
-    except OSError:  # another process published it first
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+    def build(tmp: Path) -> None:
+        build_forgetful_policy(policy, easy_files, tmp, progress=progress)
+        (tmp / "sft.json").write_text(json.dumps({k: v for k, v in key.items() if k != "rows"}))  # complete
+
+    return build_once(models_dir() / f"tiny-gsm8k-forgetful-{digest}", build)
 
 
-def build_forgetful_policy(policy, easy_files, out, seed: int = 0, sft_steps: int = SFT_STEPS, cuts: int = CUTS):
+def build_forgetful_policy(policy, easy_files, out, seed: int = 0, sft_steps: int = SFT_STEPS, cuts: int = CUTS,
+                           progress=None):
     """The session policy warm-started on every question of both files, each once with its `#### N` line
     and `cuts` times cut after the worked line (same tokenizer and shapes, so the shared engine takes its
     weights)."""
@@ -119,7 +114,7 @@ def build_forgetful_policy(policy, easy_files, out, seed: int = 0, sft_steps: in
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
     torch.manual_seed(seed)
     warm_start(model, tokenizer, make_environment(load_recipe(RECIPE).environment), demos,
-               ModelSection(sft_steps=sft_steps, seed=seed))
+               ModelSection(sft_steps=sft_steps, seed=seed), progress)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
