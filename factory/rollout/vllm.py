@@ -91,6 +91,12 @@ class VLLMServer(ServerProcess):
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the trainer, don't pin
                 # the model-class inspection in the server's process, not a fresh one (vllm_site/)
                 "FACTORY_VLLM_INSPECT_IN_PROCESS": "1",
+                # eager mode compiles nothing of the model, but vLLM wraps a few sampler helpers (the
+                # logprob rank count, top-k/top-p) in torch.compile: on CPU their first call traced and
+                # compiled them, ~2 s of every server's first sampled request (a g++ run on a cold
+                # inductor cache). Eager, that request takes 0.1 s; sampling speed after it is the same
+                # (64 × 8 sampled tokens: 239 vs 239 and 208 vs 209 ms median, two A/B starts)
+                "TORCHDYNAMO_DISABLE": "1",
             })
             if uni:
                 self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # only lets the CPU backend keep "uni" (above)
@@ -120,9 +126,10 @@ class VLLMServer(ServerProcess):
           died in vLLM's CPU attention kernel (SIGILL in `cpu_attention_with_kv_cache`, the engine core
           gone, every request after it answered 500); after one longer prompt, short ones are served.
           Our runs never met it, but a server anyone attaches to (`factory serve`) may get any prompt;
-        - the first sampled request costs vLLM-CPU ~1.7 s once (a greedy one does not warm it; measured
-          on an AVX-512 VM): 64 sampled 12-token prompts took 2.0 s first, 0.3 s after. Paid here, it
-          is off a run's first batch (the pipeline fill, on every run's critical path)."""
+        - the first sampled request cost vLLM-CPU ~1.7 s once (64 sampled 12-token prompts took 2.0 s
+          first, 0.3 s after): torch.compile of vLLM's sampler helpers, now off on CPU (see
+          `TORCHDYNAMO_DISABLE` above; this request then takes ~0.1 s). Anything else a first request
+          pays is paid here, off a run's first batch (the pipeline fill, on every run's critical path)."""
         super().wait_ready(timeout_s)
         if self.device != "cpu":
             return

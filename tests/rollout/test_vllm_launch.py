@@ -20,10 +20,12 @@ def test_cpu_launch_carries_the_cpu_backend_settings_and_a_gpu_launch_drops_them
     cpu = VLLMServer(str(model_dir), device="cpu", port=1234)
     assert "--enforce-eager" in cpu.args and cpu.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert cpu.env["FACTORY_VLLM_INSPECT_IN_PROCESS"] == "1"
+    assert cpu.env["TORCHDYNAMO_DISABLE"] == "1"  # vLLM's torch.compile'd sampler helpers run eagerly
     assert cpu.args[cpu.args.index("--host") + 1] == "127.0.0.1" and cpu.url == "http://127.0.0.1:1234"
     gpu = VLLMServer(str(model_dir), device="cuda", port=1234, host="10.0.0.5")
     assert "--enforce-eager" not in gpu.args
     assert "FACTORY_VLLM_INSPECT_IN_PROCESS" not in gpu.env  # with CUDA, vLLM's own subprocess inspection
+    assert gpu.env.get("TORCHDYNAMO_DISABLE") == __import__("os").environ.get("TORCHDYNAMO_DISABLE")  # compiled
     assert not {k for k in gpu.env if k.startswith("VLLM_CPU_")} - {k for k in __import__("os").environ}
     assert gpu.args[gpu.args.index("--host") + 1] == "10.0.0.5" and gpu.url == "http://10.0.0.5:1234"
     # both keep what weight sync and partial rollouts need
@@ -55,8 +57,13 @@ def test_a_cpu_server_inspects_model_classes_in_its_own_process_and_forks_its_en
                                                             extra_args=["--tensor-parallel-size", "2"]).env
     code = ("import os; from vllm.model_executor.models import registry; "
             "print(registry._run_in_subprocess(lambda: os.getpid()) == os.getpid()); "
-            "from vllm.v1.engine import utils; print(utils.get_mp_context().get_start_method())")
+            "from vllm.v1.engine import utils; print(utils.get_mp_context().get_start_method()); "
+            "import torch; from torch._dynamo.utils import counters; "
+            "from vllm.v1.sample.ops.logprobs import batched_count_greater_than as count; "
+            "x = torch.tensor([[0.5, 2.0, 1.0]]); print(count(x, x[:, :1]).tolist(), dict(counters['frames']))")
     out = subprocess.run([sys.executable, "-c", code], env={**env, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-2:] == ["True", "fork"]
+    # and vLLM's torch.compile'd sampler helpers run eagerly: the right count, no frame traced (compiling
+    # it was ~2 s of every CPU server's first sampled request)
+    assert out.stdout.strip().splitlines()[-3:] == ["True", "fork", "[3] {}"]
