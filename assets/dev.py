@@ -184,11 +184,13 @@ class DagsterDev(DagsterClient):
     """`python -m assets -p PORT` with FACTORY_HOME=`home` and DAGSTER_HOME=`home`/dagster.
 
     The instance is the repo's dagster.yaml with a short run-monitoring poll interval (so a run
-    whose worker is killed is marked failed within seconds, not the default's 30 s).
+    whose worker is killed is marked failed within seconds, not the default's 30 s). Its runs start a
+    local Ray each (the embedded profile), or attach to the cluster at `ray_address`.
     """
 
-    def __init__(self, home: Path, monitoring_poll_s: int = 5):
+    def __init__(self, home: Path, monitoring_poll_s: int = 5, ray_address: str | None = None):
         self.home = home
+        self.ray_address = ray_address  # runs attach to this Ray cluster; None: a local Ray per run
         self.dagster_home = home / "dagster"
         self.dagster_home.mkdir(parents=True, exist_ok=True)
         config = yaml.safe_load((REPO_ROOT / "dagster.yaml").read_text())
@@ -204,6 +206,8 @@ class DagsterDev(DagsterClient):
                "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         for name in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "FACTORY_PROFILE", "FACTORY_ENV_FILE"):
             env.pop(name, None)
+        if self.ray_address:
+            env["RAY_ADDRESS"] = self.ray_address
         with open(self.log, "wb") as log:
             # its own session: teardown stops dagster dev and every process it started, and nothing else
             self.process = subprocess.Popen(

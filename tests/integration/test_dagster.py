@@ -35,10 +35,12 @@ TINY = ["train.steps=3", "eval.heldout=32"]  # with train.checkpoint_every=2: ch
 
 
 @pytest.fixture(scope="module")
-def dagster(policy, tmp_path_factory):
+def dagster(policy, ray_cluster, tmp_path_factory):
     """dagster dev on a fresh state dir; the checkpoint sensor is stopped so that the evaluations
-    below are the ones the tests launch (it would start one beside any run that has a checkpoint)."""
-    dev = DagsterDev(tmp_path_factory.mktemp("factory-home"))
+    below are the ones the tests launch (it would start one beside any run that has a checkpoint).
+    Its runs attach to the session's Ray cluster (RAY_ADDRESS), as a team's runs attach to theirs,
+    instead of starting a local Ray each (~5 s and 9 processes a run; `make main`'s test keeps that path)."""
+    dev = DagsterDev(tmp_path_factory.mktemp("factory-home"), ray_address=ray.get_runtime_context().gcs_address)
     try:
         dev.start()
         dev.stop_sensor("checkpoint_evaluation_sensor")
@@ -81,6 +83,7 @@ def test_dagster_dev_as_the_readme_starts_it_listens_on_loopback(dagster):
 def test_a_sweep_of_two_points_trains_two_runs_with_lake_mlflow_and_evaluations(dagster, policy, engine):
     url = ray.get(engine.url.remote())
     run_overrides = overrides(policy, *TINY, f"rollout.urls=[{url}]")
+    jobs_before = {j["JobID"] for j in ray._private.state.jobs()}
     sweep = launch_sweep(dagster, run_overrides, SWEEP_GRID)
     recipe = small_recipe(*run_overrides[len(TEST_OVERRIDES):])
     recipe.sweep = parse_grid(SWEEP_GRID)  # what plan_sweep does
@@ -98,6 +101,8 @@ def test_a_sweep_of_two_points_trains_two_runs_with_lake_mlflow_and_evaluations(
     evaluation = dagster.launch("evaluation_job", {"ops": {"evaluation": {"config": config}}},
                                 tags={"dagster/partition": evaluated, "factory/kind": "evaluation"})
     assert [r["status"] for r in runs] == ["SUCCESS", "SUCCESS"], [(r["runId"], r["status"]) for r in runs]
+    # both ran as drivers on the session's cluster (RAY_ADDRESS), not on a Ray of their own
+    assert len({j["JobID"] for j in ray._private.state.jobs()} - jobs_before) >= 2
     assert sorted(r["tags"]["dagster/partition"] for r in runs) == keys
     assert {r["jobName"] for r in runs} == {"rl_run_job"}
     first, second = sorted(runs, key=lambda r: r["startTime"])
