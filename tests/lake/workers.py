@@ -34,12 +34,15 @@ def append_many(home: str, worker: int, commits: int, rows_per_commit: int, out,
     # frequent expiry keeps commits cheap and races expiry against the other writer's appends
     writer = TrajectoryWriter(open_catalog(), run_id="shared", batch_rows=10_000, flush_interval_s=60,
                               expire_every=10, keep_snapshots=2)
+    first = last = 0.0  # wall clock of the first and the last commit: the test checks the writers overlapped
     for i in range(commits):
         writer.append("samples", [sample_row("shared", f"w{worker}-{i}-{j}", step=i)
                                   for j in range(rows_per_commit)])
         writer.flush()
+        last = time.time()
+        first = first or last
     writer.close()
-    out.put(writer.metrics())
+    out.put({**writer.metrics(), "first_commit_at": first, "last_commit_at": last})
 
 
 def crash_after_steps(home: str) -> None:
