@@ -6,7 +6,10 @@ Two parts, one after the other (nothing else runs):
   change (one greedy 32-token prompt: `ServerProcess.wait_ready`, then that prompt), then rounds of
   64 sampled short prompts (temperature 1, logprobs; 10–14 tokens, 8 out), each timed; then the same
   on a server started by `VLLMServer` as runs start it (sampled warm-up). The first round's excess
-  over the later ones is the one-off cost.
+  over the later ones is the one-off cost. Between the two, a greedy-warmed server with vLLM's sampler
+  helpers torch.compile'd (`TORCHDYNAMO_DISABLE=0`, as CPU servers ran before session 18): its one-off
+  is that compilation, and its later rounds (`rest_median_s`) against the eager servers' say whether
+  the compiled helpers sample any faster.
 - **a run's first steps**: bench/vs_trl.py's recipe (the default, ≤ 8 new tokens, evaluation off)
   for `--steps` steps: the first batch's wait (`first_batch_wait_seconds`) and each step's time since
   training started.
@@ -71,16 +74,26 @@ def first_request(model: str, rounds: int) -> dict:
                 "model": self.model, "prompt": list(range(WARM_UP_TOKENS)), "max_tokens": 1,
                 "temperature": 0}).raise_for_status()
 
+    class CompiledSampler(GreedyWarmUp):
+        """As vLLM-CPU ran before session 18: its sampler helpers torch.compile'd on first use."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.env["TORCHDYNAMO_DISABLE"] = "0"
+
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, kind in (("greedy_warm_up", GreedyWarmUp), ("sampled_warm_up", VLLMServer)):
+        for name, kind in (("greedy_warm_up", GreedyWarmUp), ("greedy_warm_up_compiled_sampler", CompiledSampler),
+                           ("sampled_warm_up", VLLMServer)):
             server = kind(model, threads=1, log_path=Path(tmp) / f"{name}.log")
             server.start()
             try:
                 times = sampled_rounds(server, rounds)
             finally:
                 server.stop()
-            out[name] = {"round_s": times, "first_over_rest_s": times[0] - min(times[1:])}
+            rest = sorted(times[1:])
+            out[name] = {"round_s": times, "first_over_rest_s": times[0] - rest[0],
+                         "rest_median_s": rest[len(rest) // 2]}
             print(f"{name}: rounds of 64 sampled prompts {[round(t, 3) for t in times]} s", flush=True)
     return out
 
