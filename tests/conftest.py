@@ -24,24 +24,41 @@ def pytest_collection_modifyitems(config, items):
 # caches), removed at the end; the variables that would point a test at the user's services are unset
 # for the session. Only built things are shared from the user's state dir, as links to read: base
 # policies (`models/tiny-*` with their sft.json: SFT is the slow part of a session) and SGLang's venv.
-# A policy the user's cache lacks is built in the session's own dir. FACTORY_KEEP_TEST_STATE=1 keeps it.
+# The suite's own policies (tests/policies.py) are linked even while `make test` still builds them in
+# the background, beside the suite's first tests: a test that needs one waits for that build
+# (factory.model.sft.build_once builds at a link's target, under its lock), or builds it there itself.
+# Any other policy the user's cache lacks is built in the session's own dir. FACTORY_KEEP_TEST_STATE=1
+# keeps the session's dir.
 
 USER_ENV = ("FACTORY_HOME", "MLFLOW_TRACKING_URI", "DAGSTER_HOME", "RAY_ADDRESS", "FACTORY_PROFILE",
             "FACTORY_ENV_FILE", "FACTORY_DEPLOYMENT")
 SHARED_BUILDS = ("sglang-venv",)
 
 
-def share_builds(user_home: Path, home: Path) -> list[Path]:
-    """Link the user's built policies and SGLang venv into the session's state dir; the links made."""
+def share_builds(user_home: Path, home: Path, suite: tuple[str, ...] = ()) -> list[Path]:
+    """Link the user's built policies and SGLang venv into the session's state dir, and the suite's
+    policies named in `suite` whether built yet or not; the links made."""
     links = []
     (home / "models").mkdir(parents=True, exist_ok=True)
     for built in sorted((user_home / "models").glob("tiny-*")):
-        if (built / "sft.json").is_file():  # complete: a policy is published whole, with sft.json last
+        if (built / "sft.json").is_file() and built.name not in suite:  # complete: sft.json is published last
             links.append(home / "models" / built.name)
+    links += [home / "models" / name for name in suite]
     links += [home / name for name in SHARED_BUILDS if (user_home / name).is_dir()]
     for link in links:
         link.symlink_to(user_home / link.relative_to(home), target_is_directory=True)
     return links
+
+
+def link_user_policy(path: Path) -> None:
+    """In a test session, make `path` (a policy dir under the session's models/) a link to the user's
+    state dir's policy of that name, built or not (see above); outside a session, or if `path` exists, nothing."""
+    import os
+
+    user_home = os.environ.get("FACTORY_TEST_USER_HOME")
+    if user_home and not path.is_symlink() and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.symlink_to(Path(user_home) / "models" / path.name, target_is_directory=True)
 
 
 def pytest_configure(config):
@@ -49,13 +66,14 @@ def pytest_configure(config):
     import tempfile
 
     from factory.paths import REPO_ROOT
+    from tests.policies import base_policy_names
 
     user_home = Path(os.environ.get("FACTORY_HOME", REPO_ROOT / ".state")).resolve()
     home = Path(tempfile.mkdtemp(prefix="factory-tests-")).resolve()
     saved = {name: os.environ.pop(name, None) for name in USER_ENV}
     os.environ["FACTORY_HOME"] = str(home)
     os.environ["FACTORY_TEST_USER_HOME"] = str(user_home)  # for the test that checks it stays untouched
-    share_builds(user_home, home)
+    share_builds(user_home, home, base_policy_names())
     config.stash[_STATE] = (home, saved)
 
 

@@ -3,14 +3,23 @@ tests/integration/conftest.py, ~17 s each on 2 cores; the GSM8K test's, warm-sta
 files, ~55 s) into the user's state dir (FACTORY_HOME, else .state), where a test session links them
 instead of building them in its own dir.
 
-`make test` runs this first; `.ci/run` runs it beside `make lint`, which keeps one core busy, so that
-a fresh clone's suite does not start with the warm starts. Idempotent: a policy already built is left
-as it is.
+`make test` runs this in the background at nice 19, beside the suite's first tests (single-process
+unit tests, which leave a core idle): a session links these policies before they exist, and a test
+that needs one before it is built waits for this build (tests/conftest.py). Idempotent: a policy
+already built is left as it is.
 
     python -m tests.policies
 """
 
 from __future__ import annotations
+
+
+def base_policy_names() -> tuple[str, ...]:
+    """The directory names of the suite's base policies (the small test recipe's, the Qwen2-style one's)."""
+    from factory.model.sft import cached_policy_dir
+    from tests.integration.conftest import qwen2_recipe, small_recipe
+
+    return tuple(cached_policy_dir(recipe).name for recipe in (small_recipe(), qwen2_recipe()))
 
 
 def main() -> None:
@@ -23,12 +32,14 @@ def main() -> None:
 
     from factory.progress import RunProgress
 
-    for recipe in (small_recipe(), qwen2_recipe()):  # a bar per warm start (none for one already built)
-        print(f"tests.policies: {ensure_base_policy(recipe, RunProgress(0).on_sft_step)}", flush=True)
+    # in the order the suite first needs them (tests/infra and most of tests/integration, then
+    # test_gsm8k_format.py, then test_qwen2.py); a bar per warm start (none for one already built)
+    small = ensure_base_policy(small_recipe(), RunProgress(0).on_sft_step)
+    print(f"tests.policies: {small}", flush=True)
     with tempfile.TemporaryDirectory() as files:  # the GSM8K test's policy, warm-started on these files
-        policy = ensure_forgetful_policy(ensure_base_policy(small_recipe()), write_easy_files(Path(files)),
-                                         RunProgress(0).on_sft_step)
-    print(f"tests.policies: {policy}")
+        policy = ensure_forgetful_policy(small, write_easy_files(Path(files)), RunProgress(0).on_sft_step)
+    print(f"tests.policies: {policy}", flush=True)
+    print(f"tests.policies: {ensure_base_policy(qwen2_recipe(), RunProgress(0).on_sft_step)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -97,3 +97,44 @@ def test_without_wait_a_held_lock_is_refused_naming_its_holder(tmp_path):
         holder.join(30)
     with exclusive(lock, wait=False):  # free again once its holder is gone
         assert lock.read_text() == str(os.getpid())
+
+
+def _build_into_shared(shared: Path, log: Path) -> None:
+    """A builder in another process (`python -m tests.policies` in the user's state dir): publishes `shared`."""
+    from factory.model.sft import build_once
+
+    def build(tmp: Path) -> None:
+        with open(log, "a") as f:
+            f.write(f"enter {os.getpid()}\n")
+        time.sleep(1.5)
+        (tmp / "sft.json").write_text(str(os.getpid()))
+
+    build_once(shared, build)
+
+
+def test_a_policy_linked_before_it_is_built_is_waited_for_at_the_link_target(tmp_path):
+    """A test session links the user's policy before `make test`'s background build has made it: a build
+    through the link waits for that builder (its lock is the target's) and builds nothing itself; with
+    no builder, it builds at the target, and the link then resolves to it."""
+    from factory.model.sft import build_once
+
+    user, session = tmp_path / "user" / "models", tmp_path / "session" / "models"
+    session.mkdir(parents=True)
+    (session / "tiny-a").symlink_to(user / "tiny-a", target_is_directory=True)
+    log = tmp_path / "log"
+    builder = mp.get_context("spawn").Process(target=_build_into_shared, args=(user / "tiny-a", log))
+    builder.start()
+    deadline = time.monotonic() + 60
+    while not (log.exists() and log.read_text()):
+        assert time.monotonic() < deadline, "the builder never started"
+        time.sleep(0.05)
+    built_here: list[Path] = []
+    assert build_once(session / "tiny-a", built_here.append) == session / "tiny-a"
+    builder.join(30)
+    assert built_here == [] and (session / "tiny-a" / "sft.json").read_text() == str(builder.pid)
+    assert (session / "tiny-a").is_symlink() and sorted(p.name for p in user.iterdir()) == [".tiny-a.lock", "tiny-a"]
+
+    (session / "tiny-b").symlink_to(user / "tiny-b", target_is_directory=True)
+    build_once(session / "tiny-b", lambda tmp: (tmp / "sft.json").write_text("here"))
+    assert (session / "tiny-b").is_symlink() and (user / "tiny-b" / "sft.json").read_text() == "here"
+    assert not list(session.glob("*.tmp")) and not list(user.glob("*.tmp"))

@@ -175,21 +175,26 @@ def build_once(out: Path, build) -> Path:
     wait for the first, then find it published. `build` writes into a dir of this process's own,
     sft.json last, published by one rename: a crash mid-build leaves no half-made policy, and builders
     the lock cannot reach (another machine, a filesystem without flock) cannot mix their files (seen
-    before the lock: a shared dir got mixed files); the first to finish publishes."""
+    before the lock: a shared dir got mixed files); the first to finish publishes.
+
+    `out` may be a link to where the policy is shared (a test session links the user's state dir's
+    policies, even one still being built there): the lock, the build and the publish then happen at the
+    link's target, so this waits for a builder there instead of building a second copy."""
     if (out / "sft.json").is_file():
         return out
+    target = out.resolve()
 
     def waiting(holder: str) -> None:
-        print(f"waiting for pid {holder}, which is building the policy {out.name}", file=sys.stderr, flush=True)
+        print(f"waiting for pid {holder}, which is building the policy {target.name}", file=sys.stderr, flush=True)
 
-    with exclusive(out.with_name(f".{out.name}.lock"), on_wait=waiting):
-        if not (out / "sft.json").is_file():
-            tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    with exclusive(target.with_name(f".{target.name}.lock"), on_wait=waiting):
+        if not (target / "sft.json").is_file():
+            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             build(tmp)
             try:
-                tmp.rename(out)  # atomic publish
+                tmp.rename(target)  # atomic publish
             except OSError:  # another process published the same policy first (the same inputs, the same result)
                 shutil.rmtree(tmp, ignore_errors=True)
     return out

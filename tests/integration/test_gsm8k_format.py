@@ -77,21 +77,31 @@ def forgetful_policy(policy, easy_files):
 def ensure_forgetful_policy(policy: Path, easy_files: list[str], progress=None) -> Path:
     """`build_forgetful_policy` on `policy`, cached in the state dir's models/ as tiny-gsm8k-forgetful-<key>
     (the key: the base policy's directory name, which holds its fingerprint, the files' rows and the
-    warm start's settings). A test session links the user's (`python -m tests.policies`, which `make test`
-    runs, builds it there: ~55 s on 2 cores); else it is built in the session's own state dir."""
-    from factory.data.gsm8k_format import gsm8k_rows
+    warm start's settings). A test session links the user's, built or not (`python -m tests.policies`,
+    which `make test` runs in the background, builds it there: ~55 s on 2 cores): it waits for that build,
+    or builds it there itself."""
     from factory.model.sft import build_once
     from factory.paths import models_dir
 
-    key = {"base": Path(policy).name, "rows": gsm8k_rows(TRAIN, HELDOUT, family=EASY), "sft_steps": SFT_STEPS,
-           "cuts": CUTS, "seed": 0, "version": 1}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    from tests.conftest import link_user_policy
+
+    name, key = forgetful_policy_key(Path(policy).name)
+    link_user_policy(models_dir() / name)  # in a session: the user's, which `make test` may be building now
 
     def build(tmp: Path) -> None:
         build_forgetful_policy(policy, easy_files, tmp, progress=progress)
         (tmp / "sft.json").write_text(json.dumps({k: v for k, v in key.items() if k != "rows"}))  # complete
 
-    return build_once(models_dir() / f"tiny-gsm8k-forgetful-{digest}", build)
+    return build_once(models_dir() / name, build)
+
+
+def forgetful_policy_key(base: str) -> tuple[str, dict]:
+    """The forgetful policy's directory name on the base policy named `base`, and the key it is hashed from."""
+    from factory.data.gsm8k_format import gsm8k_rows
+
+    key = {"base": base, "rows": gsm8k_rows(TRAIN, HELDOUT, family=EASY), "sft_steps": SFT_STEPS, "cuts": CUTS,
+           "seed": 0, "version": 1}
+    return f"tiny-gsm8k-forgetful-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}", key
 
 
 def build_forgetful_policy(policy, easy_files, out, seed: int = 0, sft_steps: int = SFT_STEPS, cuts: int = CUTS,
