@@ -3,9 +3,9 @@ tests/integration/conftest.py, ~17 s each on 2 cores; the GSM8K test's, warm-sta
 files, ~55 s) into the user's state dir (FACTORY_HOME, else .state), where a test session links them
 instead of building them in its own dir.
 
-`make test` runs this in the background at nice 19, beside the suite's first tests (single-process
-unit tests, which leave a core idle): a session links these policies before they exist, and a test
-that needs one before it is built waits for this build (tests/conftest.py). Idempotent: a policy
+`make test` runs this in the background at the lowest priority (Makefile), on what the suite leaves
+idle: a session links these policies before they exist, and a test that needs one before it is built
+waits for this build (tests/conftest.py). Idempotent: a policy
 already built is left as it is.
 
     python -m tests.policies
