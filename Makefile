@@ -30,6 +30,7 @@ sglang-venv:
 # stack) run in sessions of their own.
 test: setup sglang-venv
 	@log="$(STATE)/test-policies.log"; \
+	echo "make test: the suite's policies are built in the background, where missing (log: $$log)"; \
 	setsid -w sh -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 "$$@"' sh $(PY) -m tests.policies \
 	  >"$$log" 2>&1 & policies=$$!; \
 	$(PY) -m pytest -q --durations=30 tests; status=$$?; \

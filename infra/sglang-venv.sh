@@ -37,8 +37,8 @@ venv_uv "$VENV" \
 # (tvm_ffi by the all-reduce ops, IPython by sglang.utils, dill by custom logit processors, ...)
 venv_uv "$VENV" --no-deps sglang==0.5.23
 # The import check also byte-compiles what the server imports (PYTHONDONTWRITEBYTECODE lifted for it):
-# compiling the whole 6 GB venv (uv --compile-bytecode) took ~2.5 min at nice 10 beside the suite's
-# policies, and only one SGLang server starts in a test session
+# compiling the whole 6 GB venv (uv --compile-bytecode) at nice 10 made it finish at 210 s of a fresh
+# clone's CI, after the rest of the set-up, and only one SGLang server starts in a test session
 env -u PYTHONDONTWRITEBYTECODE SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$PWD/factory/rollout/sglang_cpu" \
   "$VENV/bin/python" -W ignore -c \
   "import sglang.launch_server, sglang.srt.entrypoints.http_server" \

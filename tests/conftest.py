@@ -43,22 +43,24 @@ def share_builds(user_home: Path, home: Path, suite: tuple[str, ...] = ()) -> li
     for built in sorted((user_home / "models").glob("tiny-*")):
         if (built / "sft.json").is_file() and built.name not in suite:  # complete: sft.json is published last
             links.append(home / "models" / built.name)
-    links += [home / "models" / name for name in suite]
     links += [home / name for name in SHARED_BUILDS if (user_home / name).is_dir()]
     for link in links:
         link.symlink_to(user_home / link.relative_to(home), target_is_directory=True)
-    return links
+    return links + [p for p in (home / "models" / name for name in suite) if link_user_policy(p, user_home)]
 
 
-def link_user_policy(path: Path) -> None:
+def link_user_policy(path: Path, user_home: Path | str | None = None) -> bool:
     """In a test session, make `path` (a policy dir under the session's models/) a link to the user's
-    state dir's policy of that name, built or not (see above); outside a session, or if `path` exists, nothing."""
+    state dir's policy of that name, built or not (see above); whether it made one (not outside a
+    session, nor where `path` exists). `user_home`: the user's state dir (default: the session's record of it)."""
     import os
 
-    user_home = os.environ.get("FACTORY_TEST_USER_HOME")
-    if user_home and not path.is_symlink() and not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.symlink_to(Path(user_home) / "models" / path.name, target_is_directory=True)
+    user_home = user_home or os.environ.get("FACTORY_TEST_USER_HOME")
+    if not user_home or path.is_symlink() or path.exists():
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(Path(user_home) / "models" / path.name, target_is_directory=True)
+    return True
 
 
 def pytest_configure(config):

@@ -5,8 +5,7 @@ instead of building them in its own dir.
 
 `make test` runs this in the background at the lowest priority (Makefile), on what the suite leaves
 idle: a session links these policies before they exist, and a test that needs one before it is built
-waits for this build (tests/conftest.py). Idempotent: a policy
-already built is left as it is.
+waits for this build (tests/conftest.py). Idempotent: a policy already built is left as it is.
 
     python -m tests.policies
 """
