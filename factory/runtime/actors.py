@@ -595,6 +595,7 @@ class TrainerActor(Placed):
         self.rank, self.world_size = rank, world_size
         self._store = None
         self.trainer: Trainer = _trainer(*self.args) if world_size == 1 else None  # type: ignore[assignment]  # set by join
+        self.warm_up_s = 0.0
         self.bucket_bytes = rollout.bucket_mb << 20
         self.broadcaster: WeightBroadcaster | None = None
         self.plan: BucketPlan | None = None
@@ -614,6 +615,13 @@ class TrainerActor(Placed):
         backend = "nccl" if resolve_device(self.args[2].device) == "cuda" else "gloo"
         init_trainer_group(self.rank, self.world_size, host, port, backend, node_ip(), store=self._store)
         self.trainer = _trainer(*self.args, rank=self.rank, world_size=self.world_size)
+
+    def warm_up(self) -> float:
+        """`train.warm_up`: the first pass's one-time costs now (`Trainer.warm_up`); `start_trainer` sends
+        it without waiting, so it runs while the engines start, and the actor's later calls queue behind it."""
+        if self.args[2].warm_up:
+            self.warm_up_s = self.trainer.warm_up()
+        return self.warm_up_s
 
     def threads(self) -> int:
         return self.trainer.threads

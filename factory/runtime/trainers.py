@@ -71,8 +71,11 @@ def start_trainer(policy, recipe, shape: dict | None, resources: dict[str, float
     args = (policy, recipe.algorithm, recipe.train, recipe.rollout, shape)
     if n == 1:
         actor = placed(TrainerActor, resources).remote(*args)
+        actor.warm_up.remote()  # not waited for: it runs while the engines start
         return actor, [actor]
     ranks = [placed(TrainerActor, resources).remote(*args, rank=r, world_size=n) for r in range(n)]
     host, port = ray.get(ranks[0].rendezvous.remote())
     ray.get([r.join.remote(host, port) for r in ranks])
+    for r in ranks:  # every rank: the passes are collectives
+        r.warm_up.remote()
     return TrainerGroup(ranks), ranks

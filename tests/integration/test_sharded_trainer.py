@@ -42,6 +42,21 @@ def weights_of(bundle: DirBundle) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_trained_alike(x: dict[str, torch.Tensor], y: dict[str, torch.Tensor], steps: int) -> None:
+    """Weights after `steps` AdamW steps on one rank and on two agree within 1e-5, but for the rare
+    element whose gradient was near Adam's eps (1e-8). Two ranks sum a gradient in another order, a
+    difference of float rounding; Adam divides each element's moment by its own root mean square, so
+    where the sum nearly cancels that rounding moves the element by up to lr per step (seen: one LoRA A
+    element of 16k, 4e-5 apart, after step 2, the first step whose A gradient is not zero; every other
+    element within 5e-6). A wrong shard, scale or reduction moves most elements, which this still fails."""
+    lr = 1e-3  # STEPS
+    apart = {n: (x[n] - y[n]).abs() for n in x}
+    total = sum(d.numel() for d in apart.values())
+    outliers = sum(int((d > 1e-5).sum()) for d in apart.values())
+    assert outliers <= max(1, total // 10_000), f"{outliers} of {total} elements more than 1e-5 apart"
+    assert max(float(d.max()) for d in apart.values()) <= 2 * lr * steps
+
+
 def test_two_ranks_train_like_one_and_their_checkpoint_resumes_on_one(ray_cluster, policy):
     one, one_actors = start_trainer(str(policy), small_recipe(*STEPS), None, None)
     two, two_actors = start_trainer(str(policy), small_recipe(*STEPS, "train.ranks=2"), None, None)
@@ -85,7 +100,7 @@ def test_lora_and_the_kl_reference_work_on_two_ranks(ray_cluster, policy):
     (full1, _), (full2, _) = ray.get([one.export_weights.remote("disk"), two.export_weights.remote("disk")])
     for x, y in ((weights_of(lora1), weights_of(lora2)), (weights_of(full1), weights_of(full2))):
         assert x.keys() == y.keys() and len(x) > 0
-        assert max(float((x[n] - y[n]).abs().max()) for n in x) < 1e-5
+        assert_trained_alike(x, y, steps=2)
     for actor in a1 + a2:
         ray.kill(actor)
 
