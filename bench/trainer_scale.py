@@ -24,6 +24,7 @@ backward pass), activation checkpointing on GPU, AdamW (fused on GPU).
     python bench/trainer_scale.py                 # CPU, ~10 min on 2 cores
     python bench/trainer_scale.py --gpu           # one GPU, ~4 min on an H200
     python bench/trainer_scale.py --gpu --knobs   # the trainer's knobs against the plain step, ~3.5 min
+    python bench/trainer_scale.py [--gpu] --warm-up  # the first step with and without train.warm_up
 On a GPU machine with only torch and transformers: `pip install pydantic httpx` (factory.recipe needs
 them), `PYTHONPATH=<this repository>`; `--budget-s S` begins no run after S seconds and each finished
 run is written at once, so a short lease keeps what it measured.
@@ -132,12 +133,19 @@ def variant_trainer(model: str, spec: dict, steps: int, overrides: list[str], ra
     batch = make_batch(spec)
     times = []
     out: dict = {}
+    warm: dict = {}
+    if "train.warm_up=true" in overrides:  # --warm-up: what a run's trainer actor does while its engines start
+        t0 = time.perf_counter()
+        trainer.warm_up(prompt_tokens=spec["prompt"])
+        _sync(trainer.device)
+        warm["warm_up_s"] = time.perf_counter() - t0
     for _ in range(steps):
         t0 = time.perf_counter()
         out = trainer.train_step(batch)
         _sync(trainer.device)
         times.append(time.perf_counter() - t0)
-    return {"step_s": times, "loss": out["train/loss"], "padding_share": out.get("train/padding_share")}
+    return {"step_s": times, "loss": out["train/loss"], "padding_share": out.get("train/padding_share"),
+            **warm}
 
 
 def variant_plain(model: str, spec: dict, steps: int, device: str = "cpu") -> dict:
@@ -358,6 +366,40 @@ def gpu(args, out: Path) -> dict:
     return lease.save()
 
 
+def warm_up(args, out: Path) -> dict:
+    """--warm-up: the trainer's first step with and without `train.warm_up` (Trainer.warm_up, which a run's
+    trainer actor calls while the engines start), each in a fresh process; GPU: the Qwen2.5 shapes at
+    16 x 1,024, CPU: this bench's CPU body at 8 x 512."""
+    lease = Lease(args, out) if args.gpu else None
+    work = lease.work if lease else Path(tempfile.mkdtemp(prefix="trainer-scale-warm-"))
+    results = lease.results if lease else {"runs": {}}
+    device, base = ("cuda", GPU_NEW) if args.gpu else ("cpu", [])
+    cases = [("0.5B", GPU_SHAPES["0.5B"], 16, 1024), ("1.5B", GPU_SHAPES["1.5B"], 16, 1024)] if args.gpu \
+        else [("cpu-body", CPU_BODY, 8, 512)]
+    for name, body, n, length in cases:
+        if lease and not lease.begins(name):
+            continue
+        model = work / name
+        if not model.is_dir():
+            build_model(model, body, device=device)
+        spec = batch_spec(n, length // 4, length - length // 4)
+        row = {w: run_variant(f"{name} {n}x{length} warm_up={w}", "trainer", model, spec, device=device,
+                              overrides=[*base, f"train.warm_up={w}"]) for w in ("false", "true")}
+        cold, warm = row["false"], row["true"]
+        if "error" not in cold and "error" not in warm:
+            row["first_step_cold_s"], row["first_step_warm_s"] = cold["step_s"][0], warm["step_s"][0]
+            row["first_over_later_cold"] = cold["step_s"][0] / cold["s_per_step"]
+            row["first_over_later_warm"] = warm["step_s"][0] / warm["s_per_step"]
+        results["runs"][name] = row
+        if lease:
+            lease.save()
+    if lease:
+        return lease.save()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    return results
+
+
 KNOBS = [  # --knobs: where the new step's time goes against the plain one, at one shape
     [],
     ["train.logprob_chunk_tokens=2048"],
@@ -448,6 +490,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--out", default=None)
     ap.add_argument("--knobs", action="store_true", help="GPU: the new step's knobs against the plain step")
+    ap.add_argument("--warm-up", action="store_true", help="the first step with and without the trainer's warm-up")
     ap.add_argument("--budget-s", type=float, default=0.0, help="GPU: begin no run after this many seconds")
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from the results file (with --gpu: the GPU one)")
     args = ap.parse_args()
@@ -456,6 +499,10 @@ def main() -> None:
         return
     out = Path(args.out or REPO / "bench" / "results" / ("trainer_scale_gpu.json" if args.gpu else "trainer_scale.json"))
     if not args.plot_only:
+        if args.warm_up:
+            name = "trainer_warm_up_gpu.json" if args.gpu else "trainer_warm_up.json"
+            print(json.dumps(warm_up(args, Path(args.out or REPO / "bench" / "results" / name)), indent=1))
+            return
         if args.knobs:
             knobs(args, Path(args.out or REPO / "bench" / "results" / "trainer_scale_gpu_knobs.json"))
             return

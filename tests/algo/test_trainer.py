@@ -165,18 +165,20 @@ def test_overlong_buffer_longer_than_the_limit_is_an_error(model_path):
 
 def test_warm_up_changes_nothing_a_step_reads(model_path):
     """A warmed trainer's first step is bitwise the unwarmed one's: the warm-up pass leaves no gradient,
-    no optimizer state, no weight change and the RNG stream where it was."""
+    no weight change, zero optimizer moments at step 0 and the RNG stream where it was."""
     warmed, cold = trainer_for(model_path), trainer_for(model_path)
     before = {k: v.clone() for k, v in warmed.model.state_dict().items()}
     rng = torch.random.get_rng_state()
     assert warmed.warm_up() > 0
     assert torch.equal(torch.random.get_rng_state(), rng)
     assert all(p.grad is None for p in warmed.model.parameters())
-    assert not warmed.optimizer.state
+    states = list(warmed.optimizer.state.values())  # made already, as a fresh optimizer's first step makes it
+    assert states and all(float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in states)
     assert all(torch.equal(before[k], v) for k, v in warmed.model.state_dict().items())
-    torch.random.set_rng_state(rng)
-    after_warm = warmed.train_step(batch_of(warmed, make_samples(), 3))
-    torch.random.set_rng_state(rng)
-    after_cold = cold.train_step(batch_of(cold, make_samples(), 3))
-    assert after_warm["train/loss"] == after_cold["train/loss"]
-    assert all(torch.equal(a, b) for a, b in zip(warmed.model.parameters(), cold.model.parameters()))
+    for step in range(2):  # the second step's update reads the first's moments and step count
+        torch.random.set_rng_state(rng)
+        after_warm = warmed.train_step(batch_of(warmed, make_samples(), 3))
+        torch.random.set_rng_state(rng)
+        after_cold = cold.train_step(batch_of(cold, make_samples(), 3))
+        assert after_warm["train/loss"] == after_cold["train/loss"]
+        assert all(torch.equal(a, b) for a, b in zip(warmed.model.parameters(), cold.model.parameters())), step
