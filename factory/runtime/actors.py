@@ -102,6 +102,10 @@ def _log_path(path: str | None) -> Path | None:
     return p if p.parent.is_dir() else cache_dir() / "logs" / p.name
 
 
+class WeightGroupChanged(RuntimeError):
+    """An engine's weight update was superseded: its weight group was formed anew under it (`EngineActor.update`)."""
+
+
 @ray.remote(num_cpus=0)
 class EngineActor(Placed):
     """A rollout engine on its node. `model`: a DirBundle (shipped by the run) or a path on this node;
@@ -119,6 +123,8 @@ class EngineActor(Placed):
         self.threads = None if url else build.threads  # an attached server has its own
         self.kind = ENGINES[kind]  # what it can do (partial-rollout modes, sync modes, LoRA, attach)
         self.scratch = cache_dir() / "sync" / f"engine-{os.getpid()}"
+        self.weight_group = 0  # which weight group this engine belongs to: one more at each init_broadcast
+        self.updates_begun = 0
 
     async def start(self) -> None:
         await self.engine.start()
@@ -147,6 +153,7 @@ class EngineActor(Placed):
     async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str,
                              backend: str = "gloo") -> None:
         """Join the trainer's weight group from this node's own address."""
+        self.weight_group += 1  # first: an update draining meanwhile must not take this group's broadcast
         await self.engine.init_broadcast(host, port, rank, world_size, plan_json, node_ip(), backend)
 
     async def load_bundle(self, bundle: DirBundle, kind: str) -> None:
@@ -170,10 +177,24 @@ class EngineActor(Placed):
 
     async def update(self, version: int, mode: str, bundle: DirBundle | None = None) -> dict[str, float]:
         """A whole weight update in one call: drain, take the weights (`broadcast`: from the trainer's
-        group; `disk` / `lora`: a bundle), reopen at `version`. Returns the seconds of each phase."""
+        group; `disk` / `lora`: a bundle), reopen at `version`. Returns the seconds of each phase.
+
+        A broadcast update whose weight group was formed anew while it drained (the run gave up on it:
+        the engine hung or was lost under it, and the supervisor reconnected) takes no weights: the
+        broadcast it was for went to the old group, and the new group's belongs to the update sent with
+        it, which it would otherwise take (that update then waited out the group's timeout: seen once in
+        the suite, an attached engine stopped under an update). It reopens the engine at the version it
+        holds if no later update has begun, and fails (`WeightGroupChanged`), which the run ignores."""
+        group, self.updates_begun = self.weight_group, self.updates_begun + 1
+        mine = self.updates_begun
         t0 = time.perf_counter()
         await self.engine.begin_update()
         t1 = time.perf_counter()
+        if mode == "broadcast" and self.weight_group != group:
+            if self.updates_begun == mine:
+                await self.engine.end_update(self.engine.version)
+            raise WeightGroupChanged(f"the weight update to version {version} was superseded: the weight group "
+                                     f"was formed anew while it drained")
         if mode == "broadcast":
             await self.engine.receive_broadcast()
         elif bundle is None:

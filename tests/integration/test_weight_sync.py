@@ -215,3 +215,47 @@ def test_a_weight_group_broken_under_a_run_is_formed_anew_and_the_run_goes_on(en
     finally:
         torch.set_num_threads(threads)
     assert {name: ray.get(engine.weight_checksum.remote(name)) for name in UNPACKED} == expected
+
+
+def test_an_update_outlived_by_its_weight_group_leaves_the_new_group_s_broadcast_alone(engine, policy):
+    """An update the run gave up on (its engine hung under it) may still be draining when the supervisor
+    forms the weight group anew and sends the weights again. It must not take that broadcast: the update
+    sent with it would then wait out the group's timeout (seen once in the suite: an attached engine
+    stopped under an update, 120 s, the run failed). Here a long request holds the first update's drain
+    while the group is formed anew and the weights are published; the first update fails as superseded,
+    the second completes, and the engine holds the trainer's weights at its version."""
+    import time
+
+    import pytest
+
+    from factory.model.tokens import encode_chat, load_tokenizer
+    from factory.runtime.actors import WeightGroupChanged
+
+    recipe = small_recipe()
+    trainer = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
+    prompt = encode_chat(load_tokenizer(str(policy)), [{"role": "user", "content": "Calculate 12 + 34."}])
+    ray.get(engine.set_partial_rollout.remote("wait"))  # an update drains: it waits for the long request
+    try:
+        connect_broadcast([engine], trainer)
+        publish_weights([engine], trainer, 0, "broadcast")  # the shared server may hold other weights
+        long = engine.generate.remote(prompt, SamplingParams(max_new_tokens=200, min_new_tokens=200, temperature=1.0),
+                                      "holds-the-drain")
+        deadline = time.monotonic() + 30
+        while ray.get(engine.metrics.remote())["rollout/engine_inflight"] < 1:  # past the request batcher
+            assert time.monotonic() < deadline, "the long request never reached the server"
+            time.sleep(0.01)
+        ray.get(engine.close_admission.remote())
+        outlived = engine.update.remote(1, "broadcast")  # draining behind `long`; no broadcast is ever sent for it
+        connect_broadcast([engine], trainer)  # the group formed anew meanwhile, as the supervisor does
+        t0 = time.perf_counter()
+        publish_weights([engine], trainer, 1, "broadcast", timeout_s=60)
+        assert time.perf_counter() - t0 < 60
+        assert len(ray.get(long).token_ids) == 200  # the drain waited for it
+        with pytest.raises(ray.exceptions.RayTaskError, match="superseded") as err:
+            ray.get(outlived)
+        assert isinstance(err.value.as_instanceof_cause(), WeightGroupChanged)
+        assert ray.get(engine.metrics.remote())["rollout/engine_version"] == 1
+        check_weights_exact(engine, trainer)
+    finally:
+        ray.get(engine.set_partial_rollout.remote(recipe.rollout.partial_rollout))
+        ray.kill(trainer)
