@@ -79,10 +79,27 @@ def pytest_configure(config):
     config.stash[_STATE] = (home, saved)
 
 
+def pytest_collection_finish(session):
+    """The production stack starts in the background when the session will test it (tests/infra/conftest.py)."""
+    import os
+
+    if session.config.option.collectonly:
+        return
+    if os.environ.get("FACTORY_TEST_EARLY_STACK", "1") != "0" and any(
+            Path(str(item.fspath)).parent.name == "infra" for item in session.items):
+        from tests.infra.conftest import start_early
+
+        start_early()
+
+
 def pytest_unconfigure(config):
     import os
     import shutil
+    import sys
 
+    infra = sys.modules.get("tests.infra.conftest")
+    if infra is not None:
+        infra.stop_early()
     home, saved = config.stash.get(_STATE, (None, {}))
     for name, value in saved.items():
         if value is None:
