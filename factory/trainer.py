@@ -161,8 +161,9 @@ class Trainer:
         t0 = time.perf_counter()
         width = prompt_tokens + self.max_new_tokens
         rows = self.train_cfg.groups_per_step * self.group_size
-        if self.train_cfg.micro_batch_tokens:
-            rows = max(1, min(rows, self.train_cfg.micro_batch_tokens // width))
+        # a micro-batch's tokens at most (16,384 where the step takes the whole batch at once): the real
+        # rows are often far shorter than max_new_tokens, and a warm-up must not be what runs out of memory
+        rows = max(1, min(rows, (self.train_cfg.micro_batch_tokens or 16384) // width))
         rows = max(1, -(-rows // self.world_size))  # this rank's share
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, int(self.model.config.vocab_size), (rows, width), generator=gen)

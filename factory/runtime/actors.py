@@ -641,7 +641,13 @@ class TrainerActor(Placed):
         """`train.warm_up`: the first pass's one-time costs now (`Trainer.warm_up`); `start_trainer` sends
         it without waiting, so it runs while the engines start, and the actor's later calls queue behind it."""
         if self.args[2].warm_up:
-            self.warm_up_s = self.trainer.warm_up()
+            try:
+                self.warm_up_s = self.trainer.warm_up()
+            except Exception as err:  # noqa: BLE001  (nobody waits for this call: say it, train cold)
+                from factory.outage import first_line
+
+                logging.getLogger(__name__).warning("trainer warm-up failed (%s: %s); step 1 pays the first "
+                                                    "pass's costs", type(err).__name__, first_line(err))
         return self.warm_up_s
 
     def threads(self) -> int:
