@@ -565,7 +565,7 @@ class TrainSection(Section):
         "are recomputed in the backward pass; a [B, T, vocab] tensor never exists)")
     warm_up: bool = Field(True, description="one forward and backward pass on a dummy batch of the step's size "
                           "while the engines start, so step 1 does not pay the first pass's one-time costs "
-                          "(changes no weight, optimizer state or RNG stream)")
+                          "and AdamW's state made (zero moments at step 0); the run trains bitwise as without it")
     ranks: int = Field(1, ge=1, description="trainer ranks sharding the model with FSDP2 (gloo on cpu, nccl "
                        "on cuda), each a Ray actor placed by placement.trainer")
     seed: int = 0

@@ -155,7 +155,7 @@ class Trainer:
         prompt plus `rollout.max_new_tokens`), its gradients dropped; the seconds it took. A run calls
         it while its engines start, so the first step does not pay the first pass's one-time costs
         (the allocator growing to a step's size, kernels set up per shape). Measured on the default
-        recipe here: step 1's forward 0.43-0.46 s without, 0.11 s with (later steps 0.11-0.25). It also
+        recipe here: step 1's forward 0.43-0.46 s without, 0.11-0.16 s with (later steps 0.11-0.25). It also
         makes the optimizer's state (`_allocate_optimizer_state`). It changes no weight, no value a step
         reads and no RNG stream: a warmed run trains bitwise as an unwarmed one."""
         t0 = time.perf_counter()
