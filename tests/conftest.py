@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,14 +78,27 @@ def pytest_configure(config):
     os.environ["FACTORY_TEST_USER_HOME"] = str(user_home)  # for the test that checks it stays untouched
     share_builds(user_home, home, base_policy_names())
     config.stash[_STATE] = (home, saved)
+    config.stash[_ZYGOTES] = running_zygotes()
+
+
+def running_zygotes() -> set[str]:
+    from factory.rollout.zygote import running_zygotes
+
+    return running_zygotes()
 
 
 def pytest_collection_finish(session):
-    """The production stack starts in the background when the session will test it (tests/infra/conftest.py)."""
+    """The production stack starts in the background when the session will test it (tests/infra/conftest.py),
+    and the vLLM zygote (factory/rollout/zygote.py) when it will start vLLM servers: its imports (~10 s)
+    run beside the first tests, and the servers it forks are the session's descendants (the CPU report)."""
     import os
 
     if session.config.option.collectonly:
         return
+    if any(item.get_closest_marker("integration") for item in session.items):
+        from factory.rollout.vllm import prestart_zygote
+
+        session.config.stash[_ZYGOTE] = prestart_zygote()
     if os.environ.get("FACTORY_TEST_EARLY_STACK", "1") != "0" and any(
             Path(str(item.fspath)).parent.name == "infra" for item in session.items):
         from tests.infra.conftest import start_early
@@ -100,6 +114,13 @@ def pytest_unconfigure(config):
     infra = sys.modules.get("tests.infra.conftest")
     if infra is not None:
         infra.stop_early()
+    if _ZYGOTES in config.stash:  # the zygotes this session started (ours, or its runs' Ray actors')
+        from factory.rollout.zygote import stop_named
+
+        for name in running_zygotes() - config.stash[_ZYGOTES]:
+            stop_named(name)
+        if (zygote := config.stash.get(_ZYGOTE, None)) is not None:
+            zygote.wait(timeout=30)
     home, saved = config.stash.get(_STATE, (None, {}))
     for name, value in saved.items():
         if value is None:
@@ -112,6 +133,8 @@ def pytest_unconfigure(config):
 
 
 _STATE = pytest.StashKey[tuple]()
+_ZYGOTES = pytest.StashKey[set]()  # the zygotes running before the session (not ours to stop)
+_ZYGOTE = pytest.StashKey[Any]()  # the zygote the session started itself (its child)
 
 
 # ---- one SGLang server per session (issue 26) ---------------------------------------------------

@@ -37,9 +37,71 @@ import httpx
 
 from factory.paths import REPO_ROOT, cache_dir
 from factory.rollout.engine import AdmissionGate, Generation, SamplingParams, server_engine_metrics, support_from
+from factory.rollout.zygote import ForkedProcess
+from factory.rollout.zygote import enabled as zygote_enabled
 from factory.rollout.server import EngineStartError, ServerClient, ServerProcess, check_response, engine_client, free_port  # noqa: F401 (re-exported)
 
 WARM_UP_TOKENS = 32  # a CPU server's first prompt, sent by `VLLMServer.wait_ready` (see there)
+
+
+def server_env(device: str, *, uni: bool, kv_cache_gb: int = 2, threads: int = 1) -> dict[str, str]:
+    """The environment of a vLLM server we start: this process's, with the settings below."""
+    env = dict(os.environ)
+    if device == "cpu":
+        env.update({
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the trainer, don't pin
+            # the model-class inspection in the server's process, not a fresh one (vllm_site/)
+            "FACTORY_VLLM_INSPECT_IN_PROCESS": "1",
+            # eager mode compiles nothing of the model, but vLLM wraps a few sampler helpers (the
+            # logprob rank count, top-k/top-p) in torch.compile: on CPU their first call traced and
+            # compiled them, ~2 s of every server's first sampled request (a g++ run on a cold
+            # inductor cache). Eager, that one-off is gone and later requests are no slower
+            # (bench/first_steps.py: 64 × 8 sampled tokens, one-off 2.36 s compiled vs 0.08 s eager;
+            # later rounds 0.42 s compiled vs 0.32 / 0.45 s on two eager servers)
+            "TORCHDYNAMO_DISABLE": "1",
+        })
+        if uni:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # only lets the CPU backend keep "uni" (above)
+            env["FACTORY_VLLM_FORK_ENGINE_CORE"] = "1"  # fork the engine core, ~8 s less (vllm_site/)
+    env.update({
+        "VLLM_CACHE_ROOT": str(cache_dir() / "vllm"),
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /reset_prefix_cache
+        # idle connections outlive the client's keep-alive (30 s): with both at 5 s, the server
+        # closed a connection as the client reused it (httpx.ReadError mid-evaluation, seen in CI)
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "3600",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+        # vllm_site/sitecustomize.py stops vLLM's queue readers from spinning (see its docstring)
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "vllm_site"), str(REPO_ROOT),
+                                                    os.environ.get("PYTHONPATH")])),
+    })
+    return env
+
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def prestart_zygote(*, detach: bool = False):
+    """Start the zygote CPU servers with the default arguments are forked from (factory/rollout/zygote.py),
+    so that the first such server is ready in seconds; None when the zygote is off. Not detached (the
+    default), it is the caller's child: the test session starts it so, beside its first tests."""
+    from factory.rollout.zygote import start_zygote
+
+    env = server_env("cpu", uni=True)
+    if not zygote_enabled(env):
+        return None
+    return start_zygote(SERVER_MODULE, env, cache_dir() / "vllm-zygote.log", detach=detach)
+
+
+def stop_zygote() -> bool:
+    """Tell the zygote `prestart_zygote` started to exit (servers it forked keep running)."""
+    from factory.rollout.zygote import stop_zygote as stop
+
+    return stop(SERVER_MODULE, server_env("cpu", uni=True))
 
 
 class VLLMServer(ServerProcess):
@@ -75,7 +137,7 @@ class VLLMServer(ServerProcess):
         cpu_args = ["--enforce-eager"] if device == "cpu" else []
         cpu_args += ["--distributed-executor-backend", "uni"] if uni else []
         self.args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            sys.executable, "-m", SERVER_MODULE,
             "--model", model, "--host", host, "--port", str(self.port),
             "--dtype", dtype, *cpu_args, "--max-model-len", str(max_model_len),
             "--worker-extension-cls", "factory.weightsync.WeightReceiverExtension",
@@ -84,41 +146,10 @@ class VLLMServer(ServerProcess):
             "--enable-scale-out",  # /inference/v1/generate with per-token weight versions (inflight mode)
             *extra_args,
         ]
-        self.env = dict(os.environ)
-        if device == "cpu":
-            self.env.update({
-                "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
-                "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the trainer, don't pin
-                # the model-class inspection in the server's process, not a fresh one (vllm_site/)
-                "FACTORY_VLLM_INSPECT_IN_PROCESS": "1",
-                # eager mode compiles nothing of the model, but vLLM wraps a few sampler helpers (the
-                # logprob rank count, top-k/top-p) in torch.compile: on CPU their first call traced and
-                # compiled them, ~2 s of every server's first sampled request (a g++ run on a cold
-                # inductor cache). Eager, that one-off is gone and later requests are no slower
-                # (bench/first_steps.py: 64 × 8 sampled tokens, one-off 2.36 s compiled vs 0.08 s eager;
-                # later rounds 0.42 s compiled vs 0.32 / 0.45 s on two eager servers)
-                "TORCHDYNAMO_DISABLE": "1",
-            })
-            if uni:
-                self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # only lets the CPU backend keep "uni" (above)
-                self.env["FACTORY_VLLM_FORK_ENGINE_CORE"] = "1"  # fork the engine core, ~8 s less (vllm_site/)
-        self.env.update({
-            "VLLM_CACHE_ROOT": str(cache_dir() / "vllm"),
-            "OMP_NUM_THREADS": str(threads),
-            "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /reset_prefix_cache
-            # idle connections outlive the client's keep-alive (30 s): with both at 5 s, the server
-            # closed a connection as the client reused it (httpx.ReadError mid-evaluation, seen in CI)
-            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "3600",
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "VLLM_DO_NOT_TRACK": "1",
-            # vllm_site/sitecustomize.py stops vLLM's queue readers from spinning (see its docstring)
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "vllm_site"), str(REPO_ROOT),
-                                                        os.environ.get("PYTHONPATH")])),
-        })
-        self.proc: subprocess.Popen | None = None
+        self.env = server_env(device, uni=uni, kv_cache_gb=kv_cache_gb, threads=threads)
+        self.proc: subprocess.Popen | ForkedProcess | None = None
         self.device = device
+        self.zygote = device == "cpu" and zygote_enabled(self.env)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Ready, and on CPU warmed up: one prompt of WARM_UP_TOKENS tokens, sampled (temperature 1,

@@ -13,6 +13,7 @@ import psutil
 import pytest
 import ray
 
+from factory.rollout.server import owned_servers
 from factory.rollout.vllm import EngineStartError
 from factory.run import run
 
@@ -29,7 +30,7 @@ def test_a_recipe_naming_engine_urls_trains_on_an_engine_it_did_not_start(engine
     recipe = small_recipe(f"rollout.urls=[{url}]", FILTER_ON, "train.steps=3", "eval.before=false", "eval.heldout=16",
                           "lake.enabled=false", "tracking.enabled=false", "rollout.health.interval_s=2",
                           "rollout.health.timeout_s=3", "rollout.health.first_wait_s=0")
-    (server,) = [c for c in psutil.Process(ray.get(engine.pid.remote())).children() if "vllm" in " ".join(c.cmdline())]
+    (server,) = [psutil.Process(pid) for pid in owned_servers(ray.get(engine.pid.remote()))]
     stalls: list[threading.Timer] = []
 
     def stall(report):

@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from factory.rollout.server import free_port
+from factory.rollout.server import free_port, owned_servers
 
 from .conftest import REPO
 
@@ -32,7 +32,7 @@ def test_factory_serve_answers_a_short_first_prompt_and_stops_on_sigterm(policy,
         while not (line := proc.stdout.readline()).startswith("serving ") and line:
             seen.append(line)
         assert line.startswith(f"serving {policy} at http://127.0.0.1:{port}"), "".join(seen)[-3000:]
-        server = [c for c in psutil.Process(proc.pid).children() if "vllm" in " ".join(c.cmdline())]
+        server = [psutil.Process(pid) for pid in owned_servers(proc.pid)]
         assert len(server) == 1
         for prompt in ([5, 6, 7], list(range(5, 45))):
             resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,

@@ -13,6 +13,7 @@ import signal
 import psutil
 
 from factory.lake.query import sql
+from factory.rollout.server import owned_servers
 from factory.run import run
 
 from .conftest import actor_pids, small_recipe
@@ -23,12 +24,12 @@ QUICK_HEALTH = ["rollout.health.interval_s=2", "rollout.health.timeout_s=3", "ro
 
 
 def engine_server_pid(other_engines: set[int]) -> int:
-    """The vLLM API server of the run's one engine actor (the actor's child, in a session of its own);
-    `other_engines`: engine actors alive before the run (the session's shared one)."""
+    """The vLLM API server of the run's one engine actor (forked by the zygote, or the actor's child, in a
+    session of its own); `other_engines`: engine actors alive before the run (the session's shared one)."""
     (actor,) = set(actor_pids("EngineActor")) - other_engines
-    servers = [c for c in psutil.Process(actor).children() if "vllm" in " ".join(c.cmdline())]
+    servers = owned_servers(actor)
     assert len(servers) == 1, servers
-    return servers[0].pid
+    return servers[0]
 
 
 def test_a_killed_then_hung_engine_is_restarted_and_every_group_keeps_one_fate(ray_cluster, policy, tmp_path):
