@@ -29,9 +29,13 @@ def backoff_s(attempt: int, base_s: float = 0.05, cap_s: float = 2.0) -> float:
     return min(cap_s, base_s * 2 ** min(attempt, 32)) * random.uniform(0.5, 1.5)
 
 
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")[:300]
+def first_line(error: BaseException, *, with_type: bool = True) -> str:
+    """An error's first non-blank line (at most 300 characters), after its type's name if `with_type`;
+    the type's name alone for an error without text."""
+    line = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    if with_type or not line:
+        line = f"{type(error).__name__}: {line}".rstrip(": ")
+    return line[:300]
 
 
 class Outage:

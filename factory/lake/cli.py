@@ -12,7 +12,8 @@ from typing import Any
 import pyiceberg.exceptions
 from sqlalchemy.exc import SQLAlchemyError
 
-from factory.lake.query import LakeQueryError, first_line
+from factory.lake.query import LakeQueryError
+from factory.outage import first_line
 
 # Errors a user can cause (bad SQL, unreachable or malformed catalog): one line, no traceback.
 _USER_ERRORS = (LakeQueryError, ValueError, OSError, SQLAlchemyError, pyiceberg.exceptions.NoSuchTableError,
@@ -46,7 +47,7 @@ def cmd_sql(args) -> int:
     try:
         result = sql(args.query, catalog=_open(args), namespace=args.namespace)
     except _USER_ERRORS as err:
-        return _fail(first_line(err))
+        return _fail(first_line(err, with_type=False))
     if args.format == "json":
         for row in result.to_pylist():
             print(json.dumps(row, default=str))
@@ -61,7 +62,7 @@ def cmd_tables(args) -> int:
     try:
         result = table_summaries(catalog=_open(args), namespace=args.namespace)
     except _USER_ERRORS as err:
-        return _fail(first_line(err))
+        return _fail(first_line(err, with_type=False))
     for row in result.to_pylist():  # a table per paragraph: name and rows, then its columns, wrapped
         print(f"{row['table']}: {row['rows']} rows")
         print(textwrap.fill(row["columns"], width=100, initial_indent="  ", subsequent_indent="  "))
@@ -75,7 +76,7 @@ def cmd_maintain(args) -> int:
         report = maintain(_open(args), args.namespace, keep_last=args.keep_snapshots,
                           orphan_older_than_s=args.orphan_age_s)
     except _USER_ERRORS as err:
-        return _fail(first_line(err))
+        return _fail(first_line(err, with_type=False))
     for table, counts in report.items():
         print(f"{table:12s} files {counts['files_before']:>5d} → {counts['files_after']:<5d} "
               f"rows rewritten {counts['rows_rewritten']:>7d}  snapshots expired "
@@ -90,7 +91,7 @@ def cmd_check(args) -> int:
     try:
         results = run_checks(args.run_id, args.max_staleness, catalog=_open(args), namespace=args.namespace)
     except _USER_ERRORS as err:
-        return _fail(first_line(err))
+        return _fail(first_line(err, with_type=False))
     for result in results.values():
         print(f"{'ok ' if result.passed else 'FAIL'} {result.name:26s} {result.count}")
         for example in result.examples:

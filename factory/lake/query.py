@@ -16,6 +16,7 @@ from pyiceberg.catalog import Catalog
 
 from factory.lake.catalog import open_catalog
 from factory.lake.schemas import NAMESPACE, TABLES
+from factory.outage import first_line
 
 
 class LakeQueryError(ValueError):
@@ -52,10 +53,10 @@ def sql(query: str, catalog: Catalog | None = None, namespace: str = NAMESPACE,
         relation = con.sql(query, params=params) if params else con.sql(query)
         return relation.to_arrow_table() if relation is not None else pa.table({})
     except duckdb.CatalogException as e:  # a wrong table name: say which ones exist
-        raise LakeQueryError(f"{first_line(e)} (lake tables: {', '.join(TABLES)}; "
+        raise LakeQueryError(f"{first_line(e, with_type=False)} (lake tables: {', '.join(TABLES)}; "
                              "`factory lake tables` shows their columns)") from None
     except duckdb.Error as e:
-        raise LakeQueryError(first_line(e)) from None
+        raise LakeQueryError(first_line(e, with_type=False)) from None
     finally:
         con.close()
 
@@ -87,11 +88,6 @@ def find_evaluation(run_id: str, step: int, suite: str, catalog: Catalog | None 
                      EqualTo(term="suite", value=suite))
     found = table.scan(row_filter=row_filter, limit=1).to_arrow().to_pylist()
     return found[0] if found else None
-
-
-def first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
 
 
 def format_table(result: pa.Table, max_rows: int = 50, max_width: int = 60) -> str:

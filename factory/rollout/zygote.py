@@ -72,13 +72,17 @@ _VLLM_PRIME = (
 PRIME = {"vllm.entrypoints.openai.api_server": _VLLM_PRIME}
 
 # Variables that differ between servers or requesters and that vLLM, torch or Python read only once a
-# server runs (each request brings its own); every other variable is part of the zygote's identity
+# server runs (each request brings its own); every other variable named by `_IDENTITY_PREFIXES` is part
+# of the zygote's identity
 _PER_REQUEST = frozenset({
     "VLLM_CACHE_ROOT", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "VLLM_HOST_IP", "VLLM_PORT",
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
 })
-_IDENTITY_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS", "TORCH", "FACTORY_VLLM", "PYTHONPATH", "PYTHONHASHSEED",
-                      "TOKENIZERS", "MKL", "KMP", "LD_", "CUDA", "TRITON")
+# (Not every variable: imports set some in their own process, KMP_INIT_AT_FORK, KMP_DUPLICATE_LIB_OK and
+# TORCHINDUCTOR_CACHE_DIR among them, so a requester that had imported torch named another zygote than
+# one that had not; those are left to each request.)
+_IDENTITY_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "FACTORY_VLLM", "PYTHONPATH", "PYTHONHASHSEED",
+                      "TORCHDYNAMO_DISABLE", "LD_PRELOAD", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES")
 
 
 def enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -343,6 +347,12 @@ def _run_child(request: dict, module: str, close: list[socket.socket]) -> None:
     code = 1
     try:
         os.setsid()
+        try:  # `ps` shows the command a spawned server would have had. (Before the environment is replaced:
+            import setproctitle  # setproctitle finds the room for a title next to the original environ)
+
+            setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *request["argv"]]))
+        except ImportError:
+            pass
         for s in close:
             s.close()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -364,12 +374,6 @@ def _run_child(request: dict, module: str, close: list[socket.socket]) -> None:
 
         warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package.*")
         sys.argv = [module, *request["argv"]]
-        try:  # `ps` shows the command a spawned server would have had (the zygote's is shorter)
-            import setproctitle
-
-            setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *request["argv"]]))
-        except ImportError:
-            pass
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as stop:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import httpx
 import psutil
@@ -38,7 +39,7 @@ def test_a_forked_server_samples_what_a_spawned_one_does_and_stops_like_one(poli
         assert isinstance(forked.proc, ForkedProcess) and isinstance(spawned.proc, subprocess.Popen)
         pid = forked.proc.pid
         assert os.getpgid(pid) == pid and psutil.Process(pid).ppid() != os.getpid()  # the zygote's child
-        assert SERVER_MODULE in " ".join(psutil.Process(pid).cmdline())  # `ps` names it as a spawn would
+        assert psutil.Process(pid).cmdline()[:3] == [sys.executable, "-m", SERVER_MODULE]  # as `ps` shows a spawn
         assert set(owned_servers(os.getpid())) >= {pid, spawned.proc.pid}
         assert sample(forked) == sample(spawned)
     finally:
