@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -25,6 +26,7 @@ from factory.rollout.zygote import (
     fork_server,
     running_zygotes,
     stop_named,
+    _code_fingerprint,
     zygote_name,
 )
 
@@ -145,3 +147,22 @@ def test_another_uid_is_not_served(probe):
                          capture_output=True, timeout=60, user=65534)
     assert out.stdout.strip() in ("b''", "reset"), out  # closed unanswered
     assert not (tmp / "evil.json").exists()
+
+
+def test_a_zygote_is_named_by_what_its_imports_read_not_by_what_they_set_or_what_each_server_brings():
+    base = {"PATH": "/usr/bin", "PYTHONPATH": "/a", "FACTORY_VLLM_FORK_ENGINE_CORE": "1", "HF_HUB_OFFLINE": "1"}
+    name = zygote_name("m", base)
+    # set by torch's and vLLM's own imports in a requester that had imported them (seen under Ray)
+    assert zygote_name("m", dict(base, KMP_INIT_AT_FORK="FALSE", KMP_DUPLICATE_LIB_OK="True",
+                                 TORCHINDUCTOR_CACHE_DIR="/tmp/x", TOKENIZERS_PARALLELISM="false")) == name
+    # each server's own, applied in the forked child
+    assert zygote_name("m", dict(base, VLLM_CACHE_ROOT="/elsewhere", OMP_NUM_THREADS="2",
+                                 VLLM_CPU_KVCACHE_SPACE="1", RAY_ADDRESS="x")) == name
+    # what the zygote's imports read: other code, other hooks, other settings
+    for changed in ({"PYTHONPATH": "/b"}, {"FACTORY_VLLM_FORK_ENGINE_CORE": "0"}, {"HF_HUB_OFFLINE": "0"},
+                    {"VLLM_LOGGING_LEVEL": "DEBUG"}, {"TORCHDYNAMO_DISABLE": "1"}):
+        assert zygote_name("m", dict(base, **changed)) != name, changed
+    assert zygote_name("other.module", base) != name
+    # and the files it holds in memory: our vLLM hooks and this module (an edit names a new zygote)
+    held = {Path(path).name for path, *_ in _code_fingerprint("json")}
+    assert {"zygote.py", "sitecustomize.py", "factory_routes.py", "lean_imports.py", "__init__.py"} <= held
