@@ -80,12 +80,10 @@ OVERRIDES = ["model.sft_steps=120", "data.train_size=2000", "data.heldout_size=3
 
 def descendants(root: int) -> set[int]:
     """Pids under `root`: the processes a fault may hit (never another job's Ray or vLLM on this machine)."""
-    import psutil
 
-    try:
-        return {p.pid for p in psutil.Process(root).children(recursive=True)}
-    except psutil.NoSuchProcess:
-        return set()
+    from factory.rollout.server import process_tree
+
+    return {p.pid for p in process_tree(root)} - {root}
 
 
 def actor_pids(class_name: str, within: set[int]) -> list[int]:
@@ -109,11 +107,14 @@ def target(kind: str, root: int) -> tuple[int, int] | None:
 
     within = descendants(root)
     if kind in ("engine_kill", "engine_stop"):
+        from factory.rollout.server import owned_servers
+
         for actor in actor_pids("EngineActor", within):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                for child in psutil.Process(actor).children():
-                    if "vllm" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_STOPPED:
-                        return child.pid, signal.SIGKILL if kind == "engine_kill" else signal.SIGSTOP
+            # its vLLM server: forked by the zygote (not the actor's child) or spawned by the actor
+            for server in owned_servers(actor):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if psutil.Process(server).status() != psutil.STATUS_STOPPED:
+                        return server, signal.SIGKILL if kind == "engine_kill" else signal.SIGSTOP
         return None
     pids = actor_pids("EnvWorkerActor" if kind == "worker_kill" else "TrainerActor", within)
     return (random.choice(pids), signal.SIGKILL) if pids else None

@@ -83,7 +83,9 @@ def busy_others(min_cpu: float = 20.0) -> list[str]:
     its cluster's processes); their command lines are also kept in OTHERS for the results."""
     import psutil
 
-    mine = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)} | ns_pids()
+    from factory.rollout.server import process_tree
+
+    mine = {p.pid for p in process_tree(os.getpid())} | ns_pids()
     procs = [p for p in psutil.process_iter(["name", "cmdline"]) if p.pid not in mine]
     for p in procs:
         try:

@@ -76,9 +76,11 @@ def processes(role=role_of) -> dict[int, tuple[str, float, float]]:
     each named by `role(command line)`."""
     import psutil
 
+    from factory.rollout.server import process_tree
+
     me = psutil.Process()
     out: dict[int, tuple[str, float, float]] = {}
-    for p in [me, *me.children(recursive=True)]:
+    for p in process_tree(me.pid):  # vLLM servers included: forked by the zygote, they are not our children
         try:
             with p.oneshot():
                 rss = p.memory_info().rss / 2**20

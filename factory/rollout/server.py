@@ -72,18 +72,46 @@ _GROUP_REAPER = (
 def owned_servers(owner_pid: int) -> list[int]:
     """The pids of the live servers a process started (`ServerProcess.launch`), found through their reapers'
     arguments (server pid, owner pid): a server forked by the zygote is not its owner's child."""
+    return _servers_by_owner().get(owner_pid, [])
+
+
+def _servers_by_owner() -> dict[int, list[int]]:
     import psutil
 
-    servers = []
+    found: dict[int, list[int]] = {}
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info["cmdline"] or []
-        if len(cmd) >= 6 and cmd[1:4] == ["-S", "-c", _GROUP_REAPER] and cmd[5] == str(owner_pid):
+        if len(cmd) >= 6 and cmd[1:4] == ["-S", "-c", _GROUP_REAPER]:
             try:
                 if psutil.Process(int(cmd[4])).status() != psutil.STATUS_ZOMBIE:
-                    servers.append(int(cmd[4]))
+                    found.setdefault(int(cmd[5]), []).append(int(cmd[4]))
             except psutil.NoSuchProcess:
                 continue
-    return servers
+    return found
+
+
+def process_tree(root_pid: int) -> list:
+    """`root_pid`'s process, its descendants, and the servers any of them started with their own
+    descendants (psutil.Process objects): the processes a job's CPU and memory live in, now that a
+    forked server is the zygote's child, not its owner's."""
+    import psutil
+
+    try:
+        root = psutil.Process(root_pid)
+        tree = {p.pid: p for p in [root, *root.children(recursive=True)]}
+    except psutil.NoSuchProcess:
+        return []
+    by_owner = _servers_by_owner()
+    for owner in list(tree):
+        for server in by_owner.get(owner, []):
+            if server in tree:
+                continue
+            try:
+                top = psutil.Process(server)
+                tree.update({p.pid: p for p in [top, *top.children(recursive=True)]})
+            except psutil.NoSuchProcess:
+                continue
+    return list(tree.values())
 
 
 class ServerProcess:
