@@ -80,7 +80,7 @@ def main() -> None:
     payload = {
         "policy": str(policy), "rounds": args.rounds, "a_zygote_was_running_before": stopped,
         "first_fork_s": round(first_fork, 3), "spawn_s": spawned, "fork_s": forked,
-        "spawn_median_s": statistics.median(spawned), "fork_median_s": statistics.median(forked),
+        "spawn_median_s": round(statistics.median(spawned), 3), "fork_median_s": round(statistics.median(forked), 3),
         "spawn_over_fork": round(statistics.median(spawned) / statistics.median(forked), 2),
         "zygote_rss_mb": round(rss, 1) if (rss := zygote_rss_mb()) is not None else None,
     }

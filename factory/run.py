@@ -26,6 +26,7 @@ import ray
 from factory.data.tasks import ReasoningGymSource
 from factory.evaluate import suite_tasks
 from factory.model.sft import ensure_base_policy
+from factory.outage import first_line
 from factory.recipe import Recipe
 from factory.failures import RunFailure
 from factory.recording import RunRecorder, latest_checkpoint
@@ -230,20 +231,63 @@ def _start(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Path, tra
     # serve from `_start_env_workers`, once the engines hold this run's weights)
     a.workers = [_env_worker(a, recipe, f"w{i}") for i in range(recipe.environment.workers)]
     created.extend(a.workers)
-    ray.get([e.start.remote() for e in engines])
+    if own_engines:
+        def remake(i: int, tag: str):
+            new = _engine_actor(recipe, run_dir, policy_ref, i, tag)
+            created.append(new)
+            return new
+
+        start_engines(engines, remake, recipe.rollout.startup_timeout_s + 60)
+    else:
+        ray.get([e.start.remote() for e in engines])
     if not own_engines:
         ray.get([e.set_partial_rollout.remote(recipe.rollout.partial_rollout) for e in engines])
     return a
+
+
+ENGINE_START_TRIES = 2
+
+
+def start_engines(engines: list, remake: Callable[[int, str], Any], timeout_s: float, tag: str = "",
+                  tries: int = ENGINE_START_TRIES) -> list:
+    """Start `engines` (EngineActors this run made) together. One whose start fails (its server exited, never
+    became ready within `rollout.startup_timeout_s`, or its actor died) is killed and replaced by
+    `remake(i, tag)`, which is started in its place, up to `tries` starts per engine: a server that hangs
+    or crashes while starting (seen: one stopped mid-start by a fault) is a fault the run outlives, not
+    its end. The last failure is raised. `engines` is updated in place and returned."""
+    refs = {i: e.start.remote() for i, e in enumerate(engines)}
+    failed = dict.fromkeys(refs, 0)
+    while refs:
+        i, ref = next(iter(refs.items()))
+        try:
+            ray.get(ref, timeout=timeout_s)
+            del refs[i]
+            continue
+        except (ray.exceptions.RayError, TimeoutError) as err:
+            failed[i] += 1
+            if failed[i] >= tries:
+                raise
+            why = first_line(getattr(err, "cause", None) or err)  # a task's error: what the actor raised
+        log.warning("rollout engine %d did not start (%s); starting a new one in its place (try %d of %d)",
+                    i, why, failed[i] + 1, tries)
+        try:
+            ray.kill(engines[i])  # its server's process group ends with it (the reaper)
+        except Exception:  # noqa: BLE001  (already gone)
+            pass
+        engines[i] = remake(i, "-".join(filter(None, [tag, f"start-{failed[i] + 1}"])))
+        refs[i] = engines[i].start.remote()
+    return engines
 
 
 def _engine_urls(recipe: Recipe) -> Sequence[str | None]:
     return recipe.rollout.urls or [None] * recipe.rollout.num_engines
 
 
-def _engine_actor(recipe: Recipe, run_dir: Path, policy_ref, i: int, attempt: int = 0):
-    """Engine `i` (not yet started), placed by `placement.engine`; a restart logs to a file of its own."""
+def _engine_actor(recipe: Recipe, run_dir: Path, policy_ref, i: int, tag: str = ""):
+    """Engine `i` (not yet started), placed by `placement.engine`; a restart or a retried start (`tag`)
+    logs to a file of its own."""
     lora_rank = recipe.train.lora.rank if recipe.train.lora.enabled else 0
-    log_name = f"engine-{i}.log" if not attempt else f"engine-{i}.restart-{attempt}.log"
+    log_name = f"engine-{i}.{tag}.log" if tag else f"engine-{i}.log"
     return placed(EngineActor, recipe.placement.engine).remote(
         recipe.rollout.engine, policy_ref, recipe.rollout, str(run_dir / log_name), lora_rank,
         _engine_urls(recipe)[i], shape_of(recipe))
@@ -280,11 +324,14 @@ def _supervisor(a: Actors, recipe: Recipe, run_dir: Path, created) -> Supervisor
     """The run's supervisor, with how to start each kind of actor again (killed with the run: `created`)."""
     startup_s = recipe.rollout.startup_timeout_s + 60
 
-    def engine(i: int, attempt: int):
-        new = _engine_actor(recipe, run_dir, a.policy, i, attempt)
+    def remake(i: int, tag: str):
+        new = _engine_actor(recipe, run_dir, a.policy, i, tag)
         created.append(new)
-        ray.get(new.start.remote(), timeout=startup_s)
         return new
+
+    def engine(i: int, attempt: int):
+        tag = f"restart-{attempt}"
+        return start_engines([remake(i, tag)], lambda _, retry: remake(i, retry), startup_s, tag)[0]
 
     def worker(owner: str):
         new = _env_worker(a, recipe, owner)
