@@ -237,7 +237,12 @@ def _start(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Path, tra
             created.append(new)
             return new
 
+        made = list(engines)
         start_engines(engines, remake, recipe.rollout.startup_timeout_s + 60)
+        # the env workers were made with the engines that failed to start: give them the new ones (else
+        # their calls go to killed actors and the run makes no progress; seen in the chaos bench)
+        replaced = [i for i, (old, new) in enumerate(zip(made, engines)) if old is not new]
+        ray.get([w.replace_engine.remote(i, engines[i]) for w in a.workers for i in replaced])
     else:
         ray.get([e.start.remote() for e in engines])
     if not own_engines:

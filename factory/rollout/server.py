@@ -173,7 +173,7 @@ class ServerProcess:
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.2)  # a forked vLLM server is up in ~3-4 s: half-second polls cost ~6% of it
-        self.stop()
+        self.stop(grace_s=0)  # it never served: nothing to drain (a server mid-start ignored SIGTERM for 20 s)
         raise EngineStartError(f"{self.name} server not ready after {timeout_s:.0f}s; see {self.log_path}")
 
     def log_tail(self, n: int = 15) -> str:
@@ -182,13 +182,15 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s` (0: at once), then the whole process group."""
         if self.proc is None:
             return
         try:
-            if self.proc.poll() is None:
+            if self.proc.poll() is None and grace_s > 0:
                 os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=20)
+                os.killpg(self.proc.pid, signal.SIGCONT)  # a stopped (hung: SIGSTOP) server handles it too
+                self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
@@ -197,6 +199,15 @@ class ServerProcess:
         try:  # helper processes can outlive the API server: end the whole group
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:  # and the server itself: a forked one stopped (SIGSTOP) before it made
+            try:  # its own group had none yet (seen: left stopped for ever, the group kill finding nothing)
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:  # reaped (the zygote reaps a forked server; a spawned one is ours)
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
             pass
 
 
