@@ -55,17 +55,23 @@ def _engine_unavailable(err: Exception) -> SandboxUnavailable:
                               f"and start dockerd (.ci/sandbox-setup.sh does both), or use backend 'bubblewrap'")
 
 
-def docker_client(timeout: float = 600, ping_timeout: float = 3.0):
-    """A docker SDK client whose engine answered a ping within `ping_timeout` s, else SandboxUnavailable."""
+def docker_client(timeout: float = 600, ping_timeout: float = 3.0, tries: int = 3):
+    """A docker SDK client whose engine answered a ping within `ping_timeout` s (`tries` pings, 0.5 s apart),
+    else SandboxUnavailable. Several: a dockerd busy removing containers missed a 2 s ping once under a
+    loaded 2-core CI run (a test then failed with "no Docker engine answers" while dockerd ran)."""
     try:
         import docker
     except ImportError:
         raise SandboxUnavailable("python package docker not installed: pip install 'docker==7.2.*'") from None
-    try:
-        docker.from_env(timeout=ping_timeout).ping()
-        return docker.from_env(timeout=timeout, max_pool_size=64)
-    except Exception as err:  # DockerException, connection errors, timeouts: all mean "no engine"
-        raise _engine_unavailable(err) from None
+    for attempt in range(tries):
+        try:
+            docker.from_env(timeout=ping_timeout).ping()
+            return docker.from_env(timeout=timeout, max_pool_size=64)
+        except Exception as err:  # DockerException, connection errors, timeouts: all mean "no engine"
+            if attempt + 1 >= tries:
+                raise _engine_unavailable(err) from None
+            time.sleep(0.5)
+    raise AssertionError("unreachable")
 
 
 def _proc_start_time(pid: int) -> str | None:
