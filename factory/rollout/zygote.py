@@ -342,11 +342,14 @@ def _read_line(conn: socket.socket, timeout_s: float = 10.0) -> bytes:
     return data
 
 
-def _run_child(request: dict, module: str, close: list[socket.socket]) -> None:
-    """In the forked child: become the server the request describes; never returns."""
+def _run_child(request: dict, module: str, close: list[socket.socket], ready: int) -> None:
+    """In the forked child: become the server the request describes (`ready`: a pipe written once this
+    process leads its own session); never returns."""
     code = 1
     try:
         os.setsid()
+        os.write(ready, b"1")
+        os.close(ready)
         try:  # `ps` shows the command a spawned server would have had. (Before the environment is replaced:
             import setproctitle  # setproctitle finds the room for a title next to the original environ)
 
@@ -446,9 +449,17 @@ def serve(name: str, module: str, idle_s: float, detach: bool = False) -> int:
                     continue
                 sys.stdout.flush()
                 sys.stderr.flush()
+                ready_r, ready_w = os.pipe()
                 pid = os.fork()
                 if pid == 0:
-                    _run_child(request, module, [listener, conn, *filter(None, children.values())])
+                    os.close(ready_r)
+                    _run_child(request, module, [listener, conn, *filter(None, children.values())], ready_w)
+                os.close(ready_w)
+                # the pid goes out once the child leads its own session: before that, a group kill by the
+                # owner's reaper (which starts as the pid arrives) found no group and the reaper quit at
+                # once, leaving the server unwatched (seen: a server outlived its run's killed actor)
+                select.select([ready_r], [], [], 10)
+                os.close(ready_r)
                 children[pid] = conn
                 try:
                     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")

@@ -94,6 +94,9 @@ def test_a_server_outlives_its_zygote_and_its_handle_still_sees_it_end(probe):
     tmp, env = probe
     proc = fork_server(argv(str(tmp / "s.json"), "sleep", "0"), env, tmp / "s.log", zygote_log=tmp / "z.log",
                        timeout_s=60)
+    # its own session before its pid is known: the owner's reaper, started as the pid arrives, watches
+    # that group (before, the reaper could find no group yet and quit, leaving the server unwatched)
+    assert os.getpgid(proc.pid) == os.getsid(proc.pid) == proc.pid
     deadline = time.monotonic() + 30
     while not (tmp / "s.json").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
