@@ -200,11 +200,6 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        if self.proc.poll() is None:  # and the server itself: a forked one stopped (SIGSTOP) before it made
-            try:  # its own group had none yet (seen: left stopped for ever, the group kill finding nothing)
-                os.kill(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         try:  # reaped (the zygote reaps a forked server; a spawned one is ours)
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

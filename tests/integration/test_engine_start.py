@@ -49,8 +49,8 @@ def test_a_run_whose_engine_hangs_while_starting_starts_another_and_trains(ray_c
     assert len(stopped) == 1
     assert results["samples_trained"] > 0 and results["steps"] == 2
     assert (tmp_path / "engine-0.start-2.log").is_file()  # the engine started in its place
-    # the stopped server was ended, not left behind (also when the stop landed before it had made its own
-    # process group, right after the zygote forked it: seen once here)
+    # the stopped server was ended, not left behind (a forked server's pid is known only once it leads its
+    # own process group, so the stop never lands before the group kill can find it: seen once before that)
     assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE
 
 
