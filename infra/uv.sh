@@ -43,7 +43,8 @@ venv_uv() {
 # version, the Python, and what the machine's wheel directories hold
 venv_cache_entry() {
   local name="$1"; shift
-  local key
+  local key file
+  for file in "$@"; do [ -f "$file" ] || { echo "venv_cache_entry: no file $file" >&2; return 1; }; done
   key="$( { cat "$@"; echo "uv $UV_VERSION"; python3 -c 'import sys; print(sys.base_prefix, sys.version)'
             local dir; for dir in $(find_links); do ls -l "$dir"; done; } | sha256sum | cut -c1-24)"
   echo "${XDG_CACHE_HOME:-$HOME/.cache}/factory/venvs/$name-$key"
