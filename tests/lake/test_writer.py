@@ -64,7 +64,8 @@ def test_two_processes_append_concurrently_without_losing_rows(catalog, tmp_path
     commits, per_commit = 100, 3
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=workers.append_many, args=(str(tmp_path), k, commits, per_commit, out))
+    start = ctx.Barrier(2)
+    procs = [ctx.Process(target=workers.append_many, args=(str(tmp_path), k, commits, per_commit, out, None, start))
              for k in range(2)]
     for p in procs:
         p.start()

@@ -23,9 +23,12 @@ def collect(procs, out, timeout_s: float) -> list:
     return reports
 
 
-def append_many(home: str, worker: int, commits: int, rows_per_commit: int, out, env: dict | None = None) -> None:
+def append_many(home: str, worker: int, commits: int, rows_per_commit: int, out, env: dict | None = None,
+                start=None) -> None:
     """Commit `commits` batches of `rows_per_commit` samples (flush after each); report metrics.
-    `env`: further variables, e.g. FACTORY_PROFILE=production for the profile's catalog."""
+    `env`: further variables, e.g. FACTORY_PROFILE=production for the profile's catalog. `start`: a
+    barrier the writers pass together once their catalogs are open, so that their commits overlap (a
+    spawned writer can take seconds longer to start than another takes for all its commits: seen)."""
     os.environ["FACTORY_HOME"] = home
     os.environ.update(env or {})
     from factory.lake import TrajectoryWriter, open_catalog
@@ -35,6 +38,8 @@ def append_many(home: str, worker: int, commits: int, rows_per_commit: int, out,
     writer = TrajectoryWriter(open_catalog(), run_id="shared", batch_rows=10_000, flush_interval_s=60,
                               expire_every=10, keep_snapshots=2)
     first = last = 0.0  # wall clock of the first and the last commit: the test checks the writers overlapped
+    if start is not None:
+        start.wait(timeout=300)
     for i in range(commits):
         writer.append("samples", [sample_row("shared", f"w{worker}-{i}-{j}", step=i)
                                   for j in range(rows_per_commit)])
