@@ -30,8 +30,8 @@ venv_uv() {
 }
 
 # The venv cache. Installing the main venv costs a fresh clone ~10 s of uv (from its warm cache) and ~60 s of
-# byte-compiling on 2 cores (~130 s of CI's set-up beside its system part), although a machine that built the same venv before holds every byte of it. So a
-# built venv is kept in the user's cache dir (beside pip's and uv's caches), keyed by everything that decides
+# byte-compiling on 2 cores (~130 s of CI's set-up beside its system part), although a machine that built
+# the same venv before holds every byte of it. So a built venv is kept in the user's cache dir (beside pip's and uv's caches), keyed by everything that decides
 # its contents, and the next clone's venv is made from it by hard links in seconds (a copy where the cache is on
 # another filesystem). Only the #! lines of its scripts and pyvenv.cfg name the venv's path: they are rewritten
 # (into new files); .pyc files name their source's path too, but Python corrects that on load. The project's
