@@ -14,7 +14,9 @@ worker, buffer and driver share the cores); TRL's single process takes both core
 
 Both save their policy every `--eval-every` steps; after both have trained, every saved policy is
 scored on one seeded held-out sample of `--heldout` tasks by the same vLLM engine and sampler
-(temperature 1.0, one completion per task), so the accuracies are comparable to each other. The
+(temperature 1.0, `--samples` seeded completions per task, the same seeds for every policy: mean@k
+over the tasks, its standard error over the tasks' means), so the accuracies are comparable to each
+other. The
 time spent saving is left out of both systems' clocks (Factory's checkpoint holds the optimizer and
 sampler state and commits the lake; TRL saves the model only): the saves are the bench's, for scoring.
 
@@ -24,7 +26,10 @@ Variants:
 - `short`: the default (at most 8 new tokens).
 - `early`: the short variant's first `--early-steps` steps, saved and scored after every step: both
   systems pass start + 0.05 within the short variant's first `--eval-every` steps, so its time to
-  target only says which step came first on a coarse grid; this one resolves it to the step.
+  target only says which step came first on a coarse grid; this one resolves it to the step. It runs
+  once per training seed (`--seeds`: train.seed and rollout.seed for Factory, TRL's seed), since the
+  step at which one run crosses the target is one draw; the summary gives each system's mean time to
+  target over the seeds and their ratio.
 - `long`: generation-dominated: exactly 64 new tokens per completion (end-of-turn suppressed before
   64 in both: `min_new_tokens` / `min_new_tokens` in TRL's generation kwargs), so both do the same
   work per completion; it runs `--long-steps` steps and reports throughput (its accuracy is
@@ -34,7 +39,8 @@ Ratios (Factory / TRL) go to bench/results/vs_trl.json, accuracy by step to a pl
 (vs_trl.png; `--plot-only` redraws it from the JSON). Needs the `bench` extra (`pip install
 -e '.[bench]'`: trl).
 
-    python bench/vs_trl.py [--steps 400] [--eval-every 25] [--heldout 500] [--long-steps 30] [--early-steps 10]
+    python bench/vs_trl.py [--steps 400] [--eval-every 25] [--heldout 1000] [--samples 4] [--long-steps 30]
+                           [--early-steps 10] [--seeds 3] [--variants short early long] [--out FILE]
                            [--factory-override KEY=VALUE ...]
 """
 
@@ -59,11 +65,14 @@ GOALS = {"short_completions_per_s": 1.3, "early_time_to_target": 1.5, "long_comp
 TARGET_GAIN = 0.05
 
 
-def recipe_for(steps: int, max_new_tokens: int, eval_every: int, extra: list[str] | None = None):
+def recipe_for(steps: int, max_new_tokens: int, eval_every: int, extra: list[str] | None = None, seed: int = 0):
+    """The default recipe with the bench's settings; `seed` is the training seed (the order of tasks,
+    the sampler's seeds): the scoring always uses seed 0's recipe, so every policy meets the same seeds."""
     from factory.recipe import load_recipe
 
-    overrides = [*(extra or []), f"train.steps={steps}", f"train.checkpoint_every={eval_every}", "eval.before=false",
-                 "eval.after=false", "name=bench-vs-trl", f"rollout.max_new_tokens={max_new_tokens}"]
+    overrides = [*(extra or []), f"train.seed={seed}", f"rollout.seed={seed}", f"train.steps={steps}",
+                 f"train.checkpoint_every={eval_every}", "eval.before=false", "eval.after=false",
+                 "name=bench-vs-trl", f"rollout.max_new_tokens={max_new_tokens}"]
     if max_new_tokens > 8:
         overrides.append(f"rollout.min_new_tokens={max_new_tokens}")
     return load_recipe(REPO / "recipes" / "default.yaml", overrides)
@@ -163,8 +172,10 @@ def train_trl(recipe, policy: Path, out: Path, threads: int) -> dict:
     return {"elapsed": times, "checkpoints": checkpoints}
 
 
-def evaluate_all(recipe, policy: Path, named: dict[str, dict[int, Path]], n: int) -> dict[str, dict[int, dict]]:
-    """Held-out accuracy of every saved policy on one seeded sample, by one shared vLLM engine."""
+def evaluate_all(recipe, policy: Path, named: dict[str, dict[int, Path]], n: int,
+                 samples: int) -> dict[str, dict[int, dict]]:
+    """Held-out accuracy (mean@`samples`) of every saved policy on one seeded sample, by one shared
+    vLLM engine."""
     import ray
 
     from factory.runtime.actors import EngineActor
@@ -181,7 +192,7 @@ def evaluate_all(recipe, policy: Path, named: dict[str, dict[int, Path]], n: int
             for name, checkpoints in named.items():
                 out[name] = {}
                 for step, path in sorted(checkpoints.items()):
-                    r = evaluate_checkpoint(recipe, path, n=n, engines=[engine])
+                    r = evaluate_checkpoint(recipe, path, n=n, engines=[engine], samples=samples)
                     out[name][step] = {"mean": r["mean"], "stderr": r["stderr"]}
                     print(f"  {name} step {step}: {r['mean']:.3f} ± {r['stderr']:.3f}", flush=True)
         finally:
@@ -204,9 +215,12 @@ def summarize(name: str, trained: dict, accuracy: dict[int, dict], start: float,
             "time_to_target_s": elapsed[reached[0]] if reached else None}
 
 
-def variant(name: str, steps: int, max_new_tokens: int, args, policy: Path, start: dict, eval_every: int) -> dict:
-    print(f"\n== {name}: {steps} steps, {max_new_tokens} new tokens at most, saved every {eval_every}", flush=True)
-    recipe = recipe_for(steps, max_new_tokens, eval_every, args.factory_override)
+def variant(name: str, steps: int, max_new_tokens: int, args, policy: Path, start: dict, eval_every: int,
+            seed: int = 0) -> dict:
+    print(f"\n== {name}: {steps} steps, {max_new_tokens} new tokens at most, saved every {eval_every}, "
+          f"training seed {seed}", flush=True)
+    recipe = recipe_for(steps, max_new_tokens, eval_every, args.factory_override, seed)
+    scoring = recipe_for(steps, max_new_tokens, eval_every, args.factory_override)
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
         tmp = Path(tmp)
         print("Factory ...", flush=True)
@@ -214,7 +228,8 @@ def variant(name: str, steps: int, max_new_tokens: int, args, policy: Path, star
         print("TRL ...", flush=True)
         trl = train_trl(recipe, policy, tmp / "trl", args.trl_threads)
         print("evaluating ...", flush=True)
-        acc = evaluate_all(recipe, policy, {"factory": factory["checkpoints"], "trl": trl["checkpoints"]}, args.heldout)
+        acc = evaluate_all(scoring, policy, {"factory": factory["checkpoints"], "trl": trl["checkpoints"]}, args.heldout,
+                           args.samples)
     per_step = recipe.train.groups_per_step * recipe.rollout.group_size
     rows = {"factory": summarize("factory", factory, acc["factory"], start["mean"], None, factory["generated"]),
             "trl": summarize("trl", trl, acc["trl"], start["mean"], per_step, None)}
@@ -231,7 +246,41 @@ def variant(name: str, steps: int, max_new_tokens: int, args, policy: Path, star
         print(f"  {r['system']:<14}{r['completions_generated_per_s']:9.1f}{r['median_step_s']:8.3f}{ttt:>13}  {acc_text}")
     print(f"  ratios: {ratios}")
     return {"settings": {"steps": steps, "max_new_tokens": max_new_tokens, "prompts_per_step": recipe.train.groups_per_step,
-                         "group_size": recipe.rollout.group_size, "lr": recipe.train.lr}, "rows": rows, "ratios": ratios}
+                         "group_size": recipe.rollout.group_size, "lr": recipe.train.lr, "seed": seed}, "rows": rows,
+            "ratios": ratios}
+
+
+def over_seeds(runs: list[dict]) -> dict:
+    """The early variant's runs (one per training seed) in one result: the first run's rows (for the
+    plot), each seed's times to target, each system's mean time over the seeds (a seed that never
+    reached the target is counted, not averaged), the ratio of the means and the mean accuracy by step."""
+    by_seed = []
+    for r in runs:
+        f, t = r["rows"]["factory"], r["rows"]["trl"]
+        by_seed.append({"seed": r["settings"]["seed"], "factory_s": f["time_to_target_s"], "trl_s": t["time_to_target_s"],
+                        "factory_step": f["target_step"], "trl_step": t["target_step"],
+                        "trl_over_factory": r["ratios"].get("time_to_target_trl_over_factory")})
+    summary: dict = {"seeds": len(runs)}
+    for system in ("factory", "trl"):
+        times = [s[f"{system}_s"] for s in by_seed if s[f"{system}_s"] is not None]
+        summary[system] = {"reached": len(times), "mean_time_to_target_s": statistics.fmean(times) if times else None,
+                           "stderr_s": statistics.stdev(times) / len(times) ** 0.5 if len(times) > 1 else None,
+                           "mean_target_step": statistics.fmean(s[f"{system}_step"] for s in by_seed
+                                                                if s[f"{system}_step"] is not None) if times else None,
+                           "completions_per_s": statistics.fmean(r["rows"][system]["completions_generated_per_s"]
+                                                                 for r in runs),
+                           "median_step_s": statistics.fmean(r["rows"][system]["median_step_s"] for r in runs)}
+        steps = sorted({int(k) for r in runs for k in r["rows"][system]["heldout"]})
+        summary[system]["mean_heldout_by_step"] = {
+            str(k): statistics.fmean(r["rows"][system]["heldout"][str(k)]["mean"] for r in runs) for k in steps}
+    f, t = summary["factory"]["mean_time_to_target_s"], summary["trl"]["mean_time_to_target_s"]
+    if f and t:
+        summary["time_to_target_trl_over_factory"] = t / f
+    print(f"\nearly over {len(runs)} seeds: " + "; ".join(
+        f"{s}: to target {summary[s]['mean_time_to_target_s'] or float('nan'):.2f} s (step "
+        f"{summary[s]['mean_target_step'] or float('nan'):.1f}, {summary[s]['reached']}/{len(runs)} reached)"
+        for s in ("factory", "trl")) + f"; TRL/Factory {summary.get('time_to_target_trl_over_factory', float('nan')):.2f}")
+    return {**runs[0], "by_seed": by_seed, "summary": summary, "runs": runs[1:]}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -243,11 +292,21 @@ def plot(results: dict, path: Path) -> None:
     fig = Figure(figsize=(7 * len(panels), 4))
     for ax, name in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
         rows = results[name]["rows"]
-        for system, row in rows.items():
+        runs = [results[name], *results[name].get("runs", [])]
+        for color, (system, row) in zip(("C0", "C1"), rows.items()):
+            if len(runs) > 1:  # one faint line per training seed, their mean bold
+                for run in runs:
+                    acc = run["rows"][system]["heldout"]
+                    ax.plot([0] + [int(s) for s in acc], [results["start"]["mean"]] + [a["mean"] for a in acc.values()],
+                            color=color, alpha=0.25, lw=1)
+                mean = results[name]["summary"][system]["mean_heldout_by_step"]
+                ax.plot([0] + [int(s) for s in mean], [results["start"]["mean"], *mean.values()], color=color,
+                        marker="o", ms=3, lw=2, label=f"{system} (mean of {len(runs)} seeds)")
+                continue
             steps = [0] + [int(s) for s in row["heldout"]]
             acc = [results["start"]] + list(row["heldout"].values())
             ax.errorbar(steps, [a["mean"] for a in acc], yerr=[a["stderr"] for a in acc], label=system, capsize=2,
-                        marker="o", ms=3)
+                        marker="o", ms=3, color=color)
         ax.axhline(next(iter(rows.values()))["target"], color="k", ls="--", lw=1, label="start + 0.05")
         ax.set_xlabel("step")
         ax.set_ylabel(f"held-out accuracy (n = {results.get('heldout_n', '?')})")
@@ -262,7 +321,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--eval-every", type=int, default=25)
-    ap.add_argument("--heldout", type=int, default=500)
+    ap.add_argument("--heldout", type=int, default=1000, help="held-out tasks scored (the split has 1,000)")
+    ap.add_argument("--samples", type=int, default=4, help="seeded completions per held-out task (mean@k)")
+    ap.add_argument("--seeds", type=int, default=3, help="training seeds the early variant runs with")
     ap.add_argument("--long-steps", type=int, default=30)
     ap.add_argument("--trl-threads", type=int, default=2)
     ap.add_argument("--early-steps", type=int, default=10)
@@ -287,17 +348,19 @@ def main() -> int:
     base = recipe_for(args.steps, 8, args.eval_every)
     policy = ensure_base_policy(base)
     print(f"base policy {policy}; held-out sample of {args.heldout}", flush=True)
-    start = evaluate_all(base, policy, {"start": {0: policy}}, args.heldout)["start"][0]
+    start = evaluate_all(base, policy, {"start": {0: policy}}, args.heldout, args.samples)["start"][0]
     results: dict = {"start": start, "trl_version": trl.__version__, "threads": {
         "factory": {"trainer": base.train.threads, "engine": base.rollout.cpus}, "trl": args.trl_threads}}
     if "short" in args.variants:
         results["short"] = variant("short", args.steps, 8, args, policy, start, args.eval_every)
     if "early" in args.variants:
-        results["early"] = variant("early", args.early_steps, 8, args, policy, start, 1)
+        results["early"] = over_seeds([variant("early", args.early_steps, 8, args, policy, start, 1, seed)
+                                       for seed in range(args.seeds)])
     if "long" in args.variants:
         results["long"] = variant("long", args.long_steps, 64, args, policy, start, args.eval_every)
     results["goals"] = GOALS
     results["heldout_n"] = args.heldout
+    results["samples_per_task"] = args.samples
     results["factory_overrides"] = args.factory_override
     write_results(args.out, results)
     if "short" in results or "early" in results:

@@ -232,7 +232,7 @@ def cmd_evaluate(args) -> int:
         recipe = _loaded(args.recipe, args.overrides)
         with EvaluationProgress() as progress:
             result = evaluate_checkpoint(recipe, args.checkpoint, args.suite, args.n, on_phase=progress.on_phase,
-                                         on_progress=progress.on_progress)
+                                         on_progress=progress.on_progress, samples=args.samples)
     except RecipeError as err:
         print(str(err), file=sys.stderr)
         return 2
@@ -323,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("overrides", nargs="*")
     ev.add_argument("--suite", default="heldout", choices=["heldout", "train"])
     ev.add_argument("--n", type=int, default=None, help="tasks to evaluate (default: eval.heldout)")
+    ev.add_argument("--samples", type=int, default=1,
+                    help="episodes per task; the score is the mean over tasks of each task's mean (default: 1)")
     ev.set_defaults(fn=cmd_evaluate)
 
     rp = sub.add_parser("replay", help="retrain a run from its recorded batches in the lake (no engine) and compare "

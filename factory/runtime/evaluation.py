@@ -29,14 +29,21 @@ IN_FLIGHT = 4  # calls per worker at once: CHUNK * IN_FLIGHT episodes in flight,
 
 
 def evaluate_workers(workers, tasks, recipe: Recipe, tag: str,
-                     on_progress: Callable[[int, int], None] | None = None, keep_episodes: bool = False) -> dict:
-    """One episode per task, in chunks spread over `workers`; mean reward ± standard error over all of
-    them, per family, and the digest of the task set. `on_progress(done, total)` after each chunk; the
-    whole evaluation ends within `deadlines.evaluation_s`. `keep_episodes`: the result's "episodes"
-    holds each episode's Sample, in the tasks' order (for the lake)."""
-    deadline = Deadline(recipe.deadlines.evaluation_s, f"evaluation {tag} on {len(tasks)} tasks",
-                        "deadlines.evaluation_s")
-    chunks = [(i, tasks[i: i + CHUNK]) for i in range(0, len(tasks), CHUNK)]
+                     on_progress: Callable[[int, int], None] | None = None, keep_episodes: bool = False,
+                     samples: int = 1) -> dict:
+    """`samples` episodes per task (each its own seeded request), in chunks spread over `workers`; the
+    mean reward ± standard error over the tasks (of each task's mean: a task's samples are not
+    independent draws of the suite), per family, and the digest of the task set. `samples` > 1 lowers
+    the sampling noise of a score at temperature > 0 (mean@k); the result's "samples_per_task" says
+    which. `on_progress(done, total)` counts episodes after each chunk; the whole evaluation ends
+    within `deadlines.evaluation_s`. `keep_episodes`: the result's "episodes" holds each episode's
+    Sample, in the tasks' order (a task's samples together; for the lake)."""
+    if samples < 1:
+        raise ValueError(f"samples: expected at least 1 episode per task, got {samples}")
+    deadline = Deadline(recipe.deadlines.evaluation_s, f"evaluation {tag} on {len(tasks)} tasks"
+                        + (f" × {samples} samples" if samples > 1 else ""), "deadlines.evaluation_s")
+    played = [t for t in tasks for _ in range(samples)]
+    chunks = [(i, played[i: i + CHUNK]) for i in range(0, len(played), CHUNK)]
     rewards: dict[int, list[float]] = {}
     episodes: dict[int, list] = {}
     running: dict = {}  # ObjectRef -> (worker, chunk start)
@@ -59,9 +66,11 @@ def evaluate_workers(workers, tasks, recipe: Recipe, tag: str,
             rewards[start] = [reward for reward, _ in done]
             episodes[start] = [sample for _, sample in done]
         if on_progress:
-            on_progress(sum(len(r) for r in rewards.values()), len(tasks))
+            on_progress(sum(len(r) for r in rewards.values()), len(played))
     ordered = merge_chunks(rewards)
-    result = {**summarize(ordered, [t.family for t in tasks]).to_dict(), "tasks_digest": tasks_digest(tasks)}
+    per_task = [sum(ordered[i: i + samples]) / samples for i in range(0, len(ordered), samples)]
+    result = {**summarize(per_task, [t.family for t in tasks]).to_dict(), "tasks_digest": tasks_digest(tasks),
+              "samples_per_task": samples}
     if keep_episodes:
         result["episodes"] = merge_chunks(episodes)
     return result
@@ -70,15 +79,17 @@ def evaluate_workers(workers, tasks, recipe: Recipe, tag: str,
 def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "heldout", n: int | None = None,
                         engines: list | None = None, on_phase: Callable[[str], None] | None = None,
                         on_progress: Callable[[int, int], None] | None = None, keep_episodes: bool = False,
-                        urls: Sequence[str] = ()) -> dict:
-    """Score the policy saved at `checkpoint` (an HF model dir) on `suite`; `keep_episodes`: see
-    `evaluate_workers`.
+                        urls: Sequence[str] = (), samples: int = 1) -> dict:
+    """Score the policy saved at `checkpoint` (an HF model dir) on `suite`; `keep_episodes` and
+    `samples` (episodes per task): see `evaluate_workers`.
 
     Starts its own engine, or reuses started `engines`, or attaches to the vLLM servers running at
     `urls` (rollout.urls' form), loading the checkpoint into them (disk reload; they keep those weights
     afterwards, so they must be servers no run is training on) and leaving them running.
     `on_phase(text)` names each stage, `on_progress(done, total)` counts episodes."""
     phase = on_phase or (lambda _: None)
+    if samples < 1:
+        raise ValueError(f"samples: expected at least 1 episode per task, got {samples}")
     checkpoint = Path(checkpoint)
     if not (checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"{checkpoint}: not a model directory (no config.json)")
@@ -103,8 +114,8 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "he
             ray.get([e.update.remote(-1, "disk", model) for e in engines])  # -1: not a version of any run
         try:
             ray.get(worker.start.remote())
-            phase(f"evaluating on {len(tasks)} {suite} tasks")
-            return evaluate_workers([worker], tasks, recipe, f"eval-{suite}", on_progress, keep_episodes)
+            phase(f"evaluating on {len(tasks)} {suite} tasks" + (f", {samples} samples each" if samples > 1 else ""))
+            return evaluate_workers([worker], tasks, recipe, f"eval-{suite}", on_progress, keep_episodes, samples)
         finally:
             ray.get(worker.close.remote())
             if own:

@@ -65,6 +65,23 @@ def test_evaluate_checkpoint_scores_a_saved_policy(engine, tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         evaluate_checkpoint(recipe, tmp_path, engines=[engine])
 
+    # mean@3: three seeded episodes per task, each task's samples together; the score and its SE are over
+    # the 48 tasks' means (a task's samples are not independent draws of the suite)
+    k = 3
+    tripled = evaluate_checkpoint(recipe, ckpt, "heldout", n=48, engines=[engine], samples=k, keep_episodes=True)
+    episodes = tripled["episodes"]
+    tasks = suite_tasks(recipe, "heldout", n=48)
+    assert tripled["n"] == 48 and tripled["samples_per_task"] == k and len(episodes) == 48 * k
+    assert [e.task_id for e in episodes] == [t.task_id for t in tasks for _ in range(k)]
+    assert len({e.sample_id for e in episodes}) == 48 * k
+    means = [sum(e.reward for e in episodes[i: i + k]) / k for i in range(0, len(episodes), k)]
+    assert tripled["mean"] == pytest.approx(sum(means) / 48)
+    spread = sum((m - tripled["mean"]) ** 2 for m in means) / 47
+    assert tripled["stderr"] == pytest.approx((spread / 48) ** 0.5)
+    assert tripled["tasks_digest"] == subset and result["samples_per_task"] == 1
+    with pytest.raises(ValueError, match="samples: expected at least 1"):
+        evaluate_checkpoint(recipe, ckpt, engines=[engine], samples=0)
+
 
 @pytest.fixture
 def engine_back_to_wait(engine):
