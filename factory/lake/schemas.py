@@ -119,7 +119,8 @@ _TABLE_PROPERTIES = {
     # fetch: in a fresh clone's production test, one of 4 writers (commits every 0.1-0.8 s on 2 busy cores)
     # read a metadata file as empty and failed while the others deleted old ones (most likely the file it was
     # pointed to, deleted under its read). 100 keep ~50 s of a table's commits at two a second (each file a
-    # few KB; `factory lake maintain` expires snapshots)
+    # few KB; `factory lake maintain` expires snapshots); a writer that still meets such a file reloads the
+    # table and retries (writer.unreadable_metadata)
     "write.metadata.delete-after-commit.enabled": "true",
     "write.metadata.previous-versions-max": "100",
     # merge small manifests once 20 pile up: each streamed commit adds one, and every later commit

@@ -14,7 +14,9 @@ the restarted run re-sends. A run resumed from a checkpoint first rewinds its pa
 (`rewind`), so the steps it trains again are recorded once, from the attempt that trained them.
 
 Commits that conflict with another writer are retried by reloading the table, with backoff, up to
-`max_retries` times beyond PyIceberg's own retries. Before each retry the writer reloads the table
+`max_retries` times beyond PyIceberg's own retries. So is a table metadata file that reads as gone or
+cut short (`unreadable_metadata`): the catalog pointed at it, and concurrent commits replaced and
+deleted it before the read ended. Before each retry the writer reloads the table
 and checks (by `factory.batch`) that the batch did not land, so a commit whose response was lost is
 not written twice.
 
@@ -46,7 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import CommitFailedException, ValidationException
+from pyiceberg.exceptions import CommitFailedException, ValidationError, ValidationException
 from pyiceberg.expressions import AlwaysTrue, And, EqualTo, GreaterThan
 from pyiceberg.table import Table
 from sqlalchemy.engine import make_url
@@ -57,7 +59,7 @@ from factory.failures import ServiceOutage
 from factory.lake.catalog import open_catalog
 from factory.lake.maintenance import expire_snapshots
 from factory.lake.schemas import NAMESPACE, TABLES, TableSpec, table_spec
-from factory.outage import Outage, backoff_s, retry
+from factory.outage import Outage, backoff_s, first_line, retry
 from factory.types import Batch, Sample
 
 T = TypeVar("T")
@@ -84,6 +86,15 @@ def transient(error: BaseException) -> bool:
     if isinstance(error, DBAPIError) and error.connection_invalidated:
         return True
     return isinstance(error, OSError) and not isinstance(error, _DEFINITE_OS_ERRORS)
+
+
+def unreadable_metadata(error: BaseException) -> bool:
+    """Reading a table's metadata file found it gone, or parsed a cut-short file: other writers'
+    commits replaced it and deleted it (`write.metadata.previous-versions-max`) between the catalog's
+    answer and the read. The catalog points elsewhere now; reloading reads that."""
+    if isinstance(error, FileNotFoundError):
+        return ".metadata.json" in str(error)
+    return isinstance(error, ValidationError)  # PyIceberg's: its metadata's JSON did not parse
 
 
 class LakeWriteError(RuntimeError):
@@ -493,21 +504,24 @@ class TrajectoryWriter:
                 table.append(conform(data, table), snapshot_properties=properties)
                 self.outage.recovered()
                 break
-            except _CONFLICT:
-                self.outage.recovered()  # the catalog answered
-                conflicts += 1
-                if conflicts > self.max_retries:
-                    raise
-                delay = backoff_s(conflicts - 1)
             except Exception as e:
-                if not transient(e):
+                if isinstance(e, _CONFLICT) or unreadable_metadata(e):
+                    self.outage.recovered()  # the catalog answered
+                    conflicts += 1
+                    if conflicts > self.max_retries:
+                        raise
+                    if not isinstance(e, _CONFLICT):
+                        log.info("lake commit to %s: %s; reloading the table", name, first_line(e))
+                    delay = backoff_s(conflicts - 1)
+                elif transient(e):
+                    self.outage.failed(e, attempt_started)
+                    if self.outage.past_deadline():
+                        raise self.outage.error("") from e  # the commit thread says what it kept
+                    log.info("lake commit to %s: %s unreachable (%.1f s so far), retrying", name,
+                             self._service_of(e), self.outage.current_s())
+                    delay = backoff_s(self.outage.failures)
+                else:
                     raise
-                self.outage.failed(e, attempt_started)
-                if self.outage.past_deadline():
-                    raise self.outage.error("") from e  # the commit thread says what it kept
-                log.info("lake commit to %s: %s unreachable (%.1f s so far), retrying", name,
-                         self._service_of(e), self.outage.current_s())
-                delay = backoff_s(self.outage.failures)
             with self._lock:
                 self._stats["retries"] += 1
             retrying = True

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.table import Table
+from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from factory.lake import TrajectoryWriter
@@ -150,6 +155,57 @@ def test_a_commit_that_landed_before_an_error_is_not_repeated(catalog, monkeypat
     assert len(_rows(catalog, "samples")) == 3
     summary = catalog.load_table(("factory", "samples")).current_snapshot().summary.additional_properties
     assert summary[POSITION_PROPERTY + "r"] == "7"
+
+
+@pytest.mark.parametrize("read", ["cut short", "gone"])
+def test_a_metadata_file_deleted_under_a_read_is_reloaded(catalog, monkeypatch, read):
+    """Concurrent writers' race: the catalog points at a metadata file that reads cut short or is gone
+    (others' commits replaced and deleted it before or during the read), then at a newer one. The
+    commit reloads the table and lands, once."""
+    monkeypatch.setattr("factory.lake.writer.backoff_s", lambda attempt: 0.05)
+    with TrajectoryWriter(catalog, run_id="r") as writer:
+        writer.append("samples", [sample_row("r", "s0")])
+        writer.flush()
+        current = Path(urlparse(catalog.load_table(("factory", "samples")).metadata_location).path)
+        whole = current.read_bytes()
+        newer = current.with_name("99999-newer.metadata.json")
+        newer.write_bytes(whole)
+        if read == "gone":
+            current.unlink()
+        else:
+            current.write_bytes(whole[: len(whole) // 2])
+
+        def repoint() -> None:  # what a concurrent commit does: the catalog names a newer file
+            time.sleep(0.3)
+            with catalog.engine.begin() as db:
+                db.execute(text("UPDATE iceberg_tables SET metadata_location = :new WHERE table_name = 'samples'"),
+                           {"new": newer.as_uri()})
+
+        mover = threading.Thread(target=repoint)
+        mover.start()
+        writer.append("samples", [sample_row("r", "s1")])
+        writer.flush()
+        mover.join()
+    assert writer.metrics()["lake/retries"] >= 1  # it met the cut-short file (the pointer moved 0.3 s later)
+    assert writer.metrics()["lake/commits"] == 2
+    assert sorted(r["sample_id"] for r in _rows(catalog, "samples")) == ["s0", "s1"]
+
+
+def test_a_metadata_file_that_stays_unreadable_fails_the_commit_and_keeps_rows(catalog, monkeypatch):
+    monkeypatch.setattr("factory.lake.writer.backoff_s", lambda attempt: 0.001)
+    writer = TrajectoryWriter(catalog, run_id="r", max_retries=2, flush_interval_s=0.05)
+    writer.append("samples", [sample_row("r", "s0")])
+    writer.flush()
+    current = Path(urlparse(catalog.load_table(("factory", "samples")).metadata_location).path)
+    whole = current.read_bytes()
+    current.write_bytes(whole[:40])
+    writer.append("samples", [sample_row("r", "s1")])
+    with pytest.raises(Exception, match="lake commit failed"):
+        writer.flush()
+    current.write_bytes(whole)
+    writer.flush()  # the kept row goes in once the file reads whole
+    writer.close()
+    assert sorted(r["sample_id"] for r in _rows(catalog, "samples")) == ["s0", "s1"]
 
 
 def test_a_failing_catalog_surfaces_in_flush_and_keeps_rows(catalog, monkeypatch):
