@@ -211,6 +211,7 @@ def summarize(name: str, trained: dict, accuracy: dict[int, dict], start: float,
     return {"system": name, "steps": len(steps), "training_wall_s": wall, "median_step_s": statistics.median(durations),
             "completions_generated": made, "completions_generated_per_s": made / wall,
             "heldout": {str(s): a for s, a in sorted(accuracy.items())},
+            "elapsed_s": {str(s): elapsed[s] for s in sorted(accuracy) if s in elapsed},  # training time at each save
             "target": start + TARGET_GAIN, "target_step": reached[0] if reached else None,
             "time_to_target_s": elapsed[reached[0]] if reached else None}
 

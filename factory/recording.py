@@ -66,7 +66,9 @@ class RunRecorder:
             from factory.lake.catalog import open_catalog
             from factory.lake.writer import TrajectoryWriter
 
-            catalog = open_catalog(recipe.lake.catalog or None, namespace=recipe.lake.namespace)
+            # a run started (or relaunched) while the catalog's database or the object store restarts waits for it
+            catalog = open_catalog(recipe.lake.catalog or None, namespace=recipe.lake.namespace,
+                                   outage_deadline_s=recipe.deadlines.service_outage_s)
             # commits by time, not by a step's worth of rows: one per table every few seconds
             # an outage of the catalog or object store: rows wait (memory, then the run dir) while training goes on
             self.lake = TrajectoryWriter(catalog, recipe.lake.namespace, run_id=self.run_id, batch_rows=LAKE_BATCH_ROWS,

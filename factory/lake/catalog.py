@@ -4,6 +4,10 @@ Default (embedded profile): a PyIceberg SqlCatalog on SQLite at `<state>/lake/ca
 warehouse at `file://<state>/lake/warehouse`. The production profile (`factory.profile`): a SQL
 catalog on PostgreSQL with the warehouse on S3. Any other PyIceberg catalog is given as properties,
 e.g. `{"type": "rest", "uri": "http://…", "warehouse": "s3://…"}`.
+
+`transient` says which errors an outage of the catalog's database or the object store raises, and
+`service_of` names the service for a message; `open_catalog(outage_deadline_s=…)` waits such an
+outage out (a run that starts, or is relaunched, while Postgres restarts).
 """
 
 from __future__ import annotations
@@ -16,13 +20,40 @@ from typing import Any
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, TableAlreadyExistsError
 from pyiceberg.table import Table
-from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError, ProgrammingError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from factory import profile
 from factory.lake.schemas import NAMESPACE, TABLES, TableSpec
+from factory.outage import Outage, retry
 from factory.paths import state_dir
 
 CATALOG_NAME = "factory"
+# Answers that say the object or row exists or not, or is forbidden: not an outage
+_DEFINITE_OS_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def transient(error: BaseException) -> bool:
+    """An error that an unreachable catalog database or object store raises (a commit may have landed)."""
+    if isinstance(error, (OperationalError, InterfaceError, PoolTimeoutError)):
+        return True
+    if isinstance(error, DBAPIError) and error.connection_invalidated:
+        return True
+    return isinstance(error, OSError) and not isinstance(error, _DEFINITE_OS_ERRORS)
+
+
+def service_of(props: dict[str, Any], error: BaseException | None) -> str:
+    """Which service of a catalog with properties `props` an error came from: its database, or the
+    object store (warehouse); the database's URL without its password."""
+    if isinstance(error, DBAPIError) or error is None:
+        try:
+            uri = make_url(props.get("uri", "")).render_as_string(hide_password=True)
+        except ArgumentError:
+            uri = "?"
+        return f"the lake's catalog ({uri})"
+    endpoint = props.get("s3.endpoint")
+    return f"the lake's object store ({props.get('warehouse', '?')}{' at ' + endpoint if endpoint else ''})"
 
 
 def default_catalog_props() -> dict[str, str]:
@@ -32,16 +63,22 @@ def default_catalog_props() -> dict[str, str]:
     return {"type": "sql", "uri": f"sqlite:///{lake / 'catalog.db'}", "warehouse": (lake / "warehouse").as_uri()}
 
 
-def open_catalog(props: dict[str, Any] | None = None, namespace: str | None = NAMESPACE) -> Catalog:
+def open_catalog(props: dict[str, Any] | None = None, namespace: str | None = NAMESPACE,
+                 outage_deadline_s: float | None = None) -> Catalog:
     """Open a catalog and, unless `namespace` is None, create the namespace and tables if missing.
 
     `props` without a `type`/`uri` are layered over the profile's catalog (embedded: SQLite under the
     state dir, so `{"warehouse": ...}` alone moves only the warehouse); with one they are used as given.
+    `outage_deadline_s`: retry through an outage of the database or object store (`transient` errors)
+    for up to that long, then raise the one-line `ServiceOutage`; None: the first error raises.
     """
     props = dict(props or {})
     if "type" not in props and "uri" not in props:
         props = {**(profile.lake_catalog_props() or default_catalog_props()), **props}
     props = {k: str(v) for k, v in props.items()}
+    if outage_deadline_s is not None:
+        outage = Outage(lambda error: service_of(props, error), outage_deadline_s)
+        return retry(lambda: open_catalog(props, namespace), outage, transient, kept=lambda: "nothing yet")
     if props.get("type") == "sql" or props.get("uri", "").startswith(("sqlite:", "postgresql")):
         # a pooled connection that died with its database (a restart) is replaced before use, not failed on
         props.setdefault("pool_pre_ping", "true")

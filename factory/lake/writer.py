@@ -51,12 +51,9 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, ValidationError, ValidationException
 from pyiceberg.expressions import AlwaysTrue, And, EqualTo, GreaterThan
 from pyiceberg.table import Table
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from factory.failures import ServiceOutage
-from factory.lake.catalog import open_catalog
+from factory.lake.catalog import open_catalog, service_of, transient
 from factory.lake.maintenance import expire_snapshots
 from factory.lake.schemas import NAMESPACE, TABLES, TableSpec, table_spec
 from factory.outage import Outage, backoff_s, first_line, retry
@@ -74,18 +71,7 @@ REWIND_PROPERTY = "factory.rewind"  # a run's rows beyond this position were del
 # A concurrent commit, or a concurrent expiry removed the snapshot this append started from: reload
 # and re-send (after checking that an earlier attempt did not land after all).
 _CONFLICT = (CommitFailedException, ValidationException)
-# Answers that say the object or row exists or not, or is forbidden: not an outage
-_DEFINITE_OS_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
 MAX_PENDING_BYTES = 64 << 20  # rows waiting in memory while a table cannot commit; more spill to disk
-
-
-def transient(error: BaseException) -> bool:
-    """An error that an unreachable catalog database or object store raises (the commit may have landed)."""
-    if isinstance(error, (OperationalError, InterfaceError, PoolTimeoutError)):
-        return True
-    if isinstance(error, DBAPIError) and error.connection_invalidated:
-        return True
-    return isinstance(error, OSError) and not isinstance(error, _DEFINITE_OS_ERRORS)
 
 
 def unreadable_metadata(error: BaseException) -> bool:
@@ -365,16 +351,7 @@ class TrajectoryWriter:
             raise
 
     def _service_of(self, error: BaseException | None) -> str:
-        """Which service an error came from: the catalog's database, or the object store (warehouse)."""
-        props = getattr(self.catalog, "properties", {})
-        if isinstance(error, DBAPIError) or error is None:
-            try:
-                uri = make_url(props.get("uri", "")).render_as_string(hide_password=True)
-            except ArgumentError:
-                uri = "?"
-            return f"the lake's catalog ({uri})"
-        endpoint = props.get("s3.endpoint")
-        return f"the lake's object store ({props.get('warehouse', '?')}{' at ' + endpoint if endpoint else ''})"
+        return service_of(getattr(self.catalog, "properties", {}), error)
 
     def _kept(self) -> str:
         with self._lock:

@@ -5,7 +5,8 @@ daemon and one run worker are killed with SIGKILL mid-run, the supervisor restar
 the recovery sensor resumes the run; Postgres and the S3 server are killed with SIGKILL (once each)
 while that run trains, and it trains on through both outages, the lake keeping every sample once
 and MLflow every step; a second engine reads the lake with only the catalog's address; concurrent
-writers on the shared tables lose and duplicate nothing; `down` leaves nothing running or listening.
+writers on the shared tables lose and duplicate nothing; a run opening the lake while Postgres
+refuses connections waits for it; `down` leaves nothing running or listening.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -114,6 +116,77 @@ def test_concurrent_writers_on_the_postgres_catalog_lose_and_duplicate_nothing(s
     assert found["rows"] == [[[expected, expected]]], f"rows expected {expected}, found {found['rows']}"
     assert found["files"] and all(f.startswith("s3://factory-lake/warehouse/") for f in found["files"])
     assert not (tmp_path / "lake").exists()  # nothing of the lake on local disk
+
+
+class LateProxy:
+    """A loopback port that refuses connections (nothing listens, as while Postgres restarts) until
+    `listen()`, then forwards each connection to `target_port`."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.server: socket.socket | None = None
+
+    def listen(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def test_a_run_opening_the_lake_while_postgres_is_down_waits_for_it(stack):
+    """What a run does first: open the lake's catalog (`open_catalog(outage_deadline_s=…)`, as
+    factory/recording.py calls it). With Postgres refusing connections for its first 1.5 s, the open
+    waits and then finds the tables; one that never answers ends in one line naming the catalog."""
+    from factory.failures import ServiceOutage
+    from factory.lake import open_catalog
+    from factory.lake.catalog import transient
+
+    proxy = LateProxy(int(stack.values["FACTORY_PG_PORT"]))
+    props = lake_props(stack)
+    props["uri"] = props["uri"].replace(f":{stack.values['FACTORY_PG_PORT']}/", f":{proxy.port}/")
+    try:
+        with pytest.raises(Exception) as refused:  # without a deadline, the first refusal ends it
+            open_catalog(props)
+        assert transient(refused.value), refused.value
+        with pytest.raises(ServiceOutage, match=rf"the lake's catalog \(postgresql\+psycopg2://.*:\*\*\*@127.0.0.1:"
+                                                rf"{proxy.port}/iceberg\) unreachable for \d+ s"):
+            open_catalog(props, outage_deadline_s=1.0)
+        threading.Timer(1.5, proxy.listen).start()
+        started = time.monotonic()
+        catalog = open_catalog(props, outage_deadline_s=60)
+        assert time.monotonic() - started >= 1.4  # it waited for the port to answer
+        assert catalog.load_table(("factory", "samples")).schema().find_field("sample_id")
+    finally:
+        proxy.close()
 
 
 def metrics_lines(run_dir: Path) -> int:

@@ -17,7 +17,7 @@ from pyiceberg.table import Table
 
 from factory.failures import ServiceOutage
 from factory.lake import TrajectoryWriter, open_catalog
-from factory.lake.writer import transient
+from factory.lake.catalog import transient
 from tests.lake.rows import sample_row
 
 
