@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ from tests.lake import workers
 
 
 pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
 
 SHORT = ["train.steps=3", "eval.before=false", "eval.heldout=16"]
 # the run that is killed: long enough to be caught past a checkpoint, and then to train on through two
@@ -162,31 +164,58 @@ class LateProxy:
             self.server.close()
 
 
-def test_a_run_opening_the_lake_while_postgres_is_down_waits_for_it(stack):
-    """What a run does first: open the lake's catalog (`open_catalog(outage_deadline_s=…)`, as
-    factory/recording.py calls it). With Postgres refusing connections for its first 1.5 s, the open
-    waits and then finds the tables; one that never answers ends in one line naming the catalog."""
-    from factory.failures import ServiceOutage
-    from factory.lake import open_catalog
-    from factory.lake.catalog import transient
+OPEN_THE_LAKE = """
+import json, time
+from factory.failures import ServiceOutage
+from factory.lake import open_catalog
+from factory.lake.catalog import transient
+out = {}
+try:
+    open_catalog()
+    out["first"] = "opened"
+except Exception as error:  # without a deadline, the first refusal ends it
+    out["first"] = [type(error).__name__, transient(error)]
+try:
+    open_catalog(outage_deadline_s=1.0)
+    out["short"] = "opened"
+except ServiceOutage as error:
+    out["short"] = str(error)
+print("opening", flush=True)
+started = time.monotonic()
+catalog = open_catalog(outage_deadline_s=60)
+out["waited_s"] = time.monotonic() - started
+out["tables"] = sorted(name for _, name in catalog.list_tables("factory"))
+print(json.dumps(out), flush=True)
+"""
 
-    proxy = LateProxy(int(stack.values["FACTORY_PG_PORT"]))
-    props = lake_props(stack)
-    props["uri"] = props["uri"].replace(f":{stack.values['FACTORY_PG_PORT']}/", f":{proxy.port}/")
+
+def test_a_run_opening_the_lake_while_postgres_is_down_waits_for_it(stack):
+    """What a run does first: open the production lake's catalog (`open_catalog(outage_deadline_s=…)`, as
+    factory/recording.py calls it), here in a process of the profile whose catalog is reached through a
+    loopback port that refuses connections (as while Postgres restarts) until 1.5 s after the last open
+    begins. Without a deadline the first refusal raises; with 1 s the open ends in one line naming the
+    catalog, password hidden; with 60 s it waits for the port and finds the tables."""
+    pg_port = stack.values["FACTORY_PG_PORT"]
+    proxy = LateProxy(int(pg_port))
+    env = {**stack.env(), "FACTORY_LAKE_CATALOG_URI": lake_props(stack)["uri"].replace(f":{pg_port}/", f":{proxy.port}/")}
+    child = subprocess.Popen([sys.executable, "-c", OPEN_THE_LAKE], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
     try:
-        with pytest.raises(Exception) as refused:  # without a deadline, the first refusal ends it
-            open_catalog(props)
-        assert transient(refused.value), refused.value
-        with pytest.raises(ServiceOutage, match=rf"the lake's catalog \(postgresql\+psycopg2://.*:\*\*\*@127.0.0.1:"
-                                                rf"{proxy.port}/iceberg\) unreachable for \d+ s"):
-            open_catalog(props, outage_deadline_s=1.0)
+        said = child.stdout.readline().strip()
+        assert said == "opening", said + child.stderr.read()[-3000:]
         threading.Timer(1.5, proxy.listen).start()
-        started = time.monotonic()
-        catalog = open_catalog(props, outage_deadline_s=60)
-        assert time.monotonic() - started >= 1.4  # it waited for the port to answer
-        assert catalog.load_table(("factory", "samples")).schema().find_field("sample_id")
+        out, err = child.communicate(timeout=120)
     finally:
+        child.kill()
         proxy.close()
+    assert child.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["first"] == ["OperationalError", True]
+    assert re.fullmatch(rf"the lake's catalog \(postgresql\+psycopg2://\w+:\*\*\*@127\.0\.0\.1:{proxy.port}/iceberg\) "
+                        r"unreachable for \d+ s, past deadlines\.service_outage_s=1 s \(last error: .+\); kept: .+",
+                        result["short"]), result["short"]
+    assert result["waited_s"] >= 1.4  # it waited for the port to answer
+    assert {"samples", "steps", "checkpoints"} <= set(result["tables"])
 
 
 def metrics_lines(run_dir: Path) -> int:
