@@ -53,6 +53,10 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake
     if checkpoint is None:
         raise user_error(f"run {key} has no checkpoint yet ({directory / 'checkpoints'})")
     state_file = checkpoint / "state.json"
+    if not checkpoint.exists() and recipe.train.keep_checkpoints:
+        raise user_error(f"checkpoint: {checkpoint} is gone: the run keeps its newest "
+                         f"train.keep_checkpoints={recipe.train.keep_checkpoints} (newest now: "
+                         f"{latest_checkpoint(directory)})")
     if not state_file.is_file():
         raise user_error(f"checkpoint: {checkpoint} is not a checkpoint (no state.json)")
     state = json.loads(state_file.read_text())

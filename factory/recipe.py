@@ -540,6 +540,10 @@ class TrainSection(Section):
     checkpoint_every_s: float = Field(
         1800, ge=0, description="also checkpoint when this many seconds have passed since the last one, so a "
         "lost trainer costs minutes; 0 = by steps only")
+    keep_checkpoints: int = Field(
+        0, ge=0, description="keep only the newest N checkpoints in the run dir, deleting older ones as new ones are "
+        "written (a run of days at checkpoint_every_s=1800 writes ~50 a day, each the model and its optimizer "
+        "state); the lake's checkpoints table keeps every one's row and lineage; 0 = keep all")
     max_trainer_restarts: int = Field(
         2, ge=0, description="a trainer that dies is rebuilt inside the same run, which resumes from its latest "
         "checkpoint (exact, as a resumed run); one more death stops the run")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,23 @@ def checkpoints(run_dir: Path) -> list[Path]:
         if path.is_dir() and step.isdigit():
             found.append((int(step), path))
     return [path for _, path in sorted(found)]
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints of a run (0: keep all); return the deleted.
+    Each is first renamed out of the `step-*` names, so a checkpoint half deleted (a crash meanwhile) is
+    never resumed from; what such a crash left is deleted here next time."""
+    if keep <= 0:
+        return []
+    folder = Path(run_dir) / "checkpoints"
+    for left in folder.glob(".pruned-step-*"):
+        shutil.rmtree(left, ignore_errors=True)
+    old = checkpoints(run_dir)[:-keep]
+    for path in old:
+        doomed = path.with_name(f".pruned-{path.name}")
+        path.rename(doomed)
+        shutil.rmtree(doomed)
+    return old
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

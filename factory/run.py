@@ -29,7 +29,7 @@ from factory.model.sft import ensure_base_policy
 from factory.outage import first_line
 from factory.recipe import Recipe
 from factory.failures import RunFailure
-from factory.recording import RunRecorder, latest_checkpoint
+from factory.recording import RunRecorder, latest_checkpoint, prune_checkpoints
 from factory.rewards import verifier_specs
 from factory.runtime.actors import (
     BufferActor, EngineActor, EnvWorkerActor, ScorerActor, killed_on_error, placed,
@@ -445,6 +445,10 @@ def _checkpoint(a: Actors, record: RunRecorder, run_dir: Path, step: int, deadli
                         f"checkpoint of step {step}", "deadlines.train_step_s")
     bundle.write(ckpt)  # from the trainer's node to the run dir
     record.log_checkpoint(step, step, ckpt)
+    pruned = prune_checkpoints(run_dir, record.recipe.train.keep_checkpoints)  # after the new one is whole
+    if pruned:
+        log.info("checkpoint %s written; deleted %s (train.keep_checkpoints=%d)", ckpt.name,
+                 ", ".join(p.name for p in pruned), record.recipe.train.keep_checkpoints)
 
 
 def _stop(a: Actors, producing: list, record: RunRecorder, last_step: int) -> dict:

@@ -82,3 +82,24 @@ def test_the_experiment_opens_on_model_training_not_the_genai_view(tmp_path, mon
     recorder.finish({"steps": 0})
     experiment = MlflowClient(default_tracking_uri()).get_experiment_by_name("kind-test")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_prune_checkpoints_keeps_the_newest_and_never_leaves_a_half_deleted_one(tmp_path):
+    from factory.recording import checkpoints, latest_checkpoint, prune_checkpoints
+
+    folder = tmp_path / "checkpoints"
+    for step in (2, 4, 10, 6):
+        (folder / f"step-{step:06d}").mkdir(parents=True)
+        (folder / f"step-{step:06d}" / "state.json").write_text(json.dumps({"version": step}))
+    (folder / "step-000008.tmp").mkdir()  # a checkpoint still being written: not a step-N dir
+    (folder / ".pruned-step-000001").mkdir()  # what a crash during an earlier prune left
+    (folder / ".pruned-step-000001" / "model.safetensors").write_bytes(b"x")
+
+    assert prune_checkpoints(tmp_path, 0) == [] and len(checkpoints(tmp_path)) == 4  # 0: keep all
+    assert (folder / ".pruned-step-000001").is_dir()
+    deleted = prune_checkpoints(tmp_path, 2)
+    assert [p.name for p in deleted] == ["step-000002", "step-000004"]
+    assert [p.name for p in checkpoints(tmp_path)] == ["step-000006", "step-000010"]
+    assert latest_checkpoint(tmp_path).name == "step-000010"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-000006", "step-000008.tmp", "step-000010"]
+    assert prune_checkpoints(tmp_path, 2) == []  # nothing more to do

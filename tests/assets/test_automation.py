@@ -144,3 +144,20 @@ def test_a_run_failed_by_its_environment_is_not_relaunched(defs, instance, monke
     skip = on_failure(defs, instance, failed_run(defs, instance, "r4"))
     assert isinstance(skip, dg.SkipReason)
     assert "the failure needs a fix: environment 'broken': 3 of 3 groups failed" in skip.skip_message
+
+
+def test_evaluating_a_checkpoint_the_run_deleted_fails_with_a_line_naming_keep_checkpoints(defs, instance):
+    """A run with train.keep_checkpoints deletes old checkpoints: an evaluation asked for one of them (queued
+    while the run wrote newer ones) fails as a user error that says why and names the newest."""
+    save_recipe("k1", [*FAILING_OVERRIDES, "train.keep_checkpoints=2"])
+    newest = save_checkpoint("k1", 6)
+    gone = str(run_dir("k1") / "checkpoints" / "step-000002")
+    instance.add_dynamic_partitions(RL_RUNS.name, ["k1"])
+    result = defs.resolve_job_def("evaluation_job").execute_in_process(
+        instance=instance, partition_key="k1", raise_on_error=False,
+        run_config={"ops": {"evaluation": {"config": {"checkpoint": gone}}}})
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+    message = failure.step_failure_data.user_failure_data.description
+    assert message == (f"checkpoint: {gone} is gone: the run keeps its newest train.keep_checkpoints=2 "
+                       f"(newest now: {newest})")

@@ -90,7 +90,9 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(engine, tmp_path, whole_run
 
 def test_a_killed_trainer_is_rebuilt_and_the_run_resumes_inside_the_same_call(engine, tmp_path, whole_run):
     """SIGKILL of the trainer's process after step 3 is recorded, before its checkpoint: `run` rebuilds the
-    trainer, rewinds the lake to the step-2 checkpoint and trains step 3 again, as the uninterrupted run did."""
+    trainer, rewinds the lake to the step-2 checkpoint and trains step 3 again, as the uninterrupted run did.
+    It keeps one checkpoint (`train.keep_checkpoints=1`): the rebuilt trainer resumes from the one there is,
+    and step 3's checkpoint replaces it."""
     killed = tmp_path / f"{tmp_path.name}-killed"
     pids: list[int] = []
 
@@ -100,7 +102,7 @@ def test_a_killed_trainer_is_rebuilt_and_the_run_resumes_inside_the_same_call(en
             assert len(pids) == 1
             os.kill(pids[0], signal.SIGKILL)
 
-    results = run(small_recipe(*EXACT), killed, engines=[engine], on_step=kill_trainer)
+    results = run(small_recipe(*EXACT, "train.keep_checkpoints=1"), killed, engines=[engine], on_step=kill_trainer)
 
     assert pids and results["trainer_restarts"] == 1
     deadline = time.monotonic() + 60  # the rebuilt trainer ends with the run (once Ray drops its handle)
@@ -116,4 +118,8 @@ def test_a_killed_trainer_is_rebuilt_and_the_run_resumes_inside_the_same_call(en
     ids = sql(f"SELECT sample_id FROM samples WHERE run_id = '{killed.name}'")["sample_id"].to_pylist()
     assert len(ids) == len(set(ids))
     check_same_weights(whole_run, killed)
+    assert [p.name for p in (killed / "checkpoints").iterdir()] == ["step-000003"]
+    # the lake keeps every checkpoint's row, the deleted one's too
+    logged = sql(f"SELECT step FROM checkpoints WHERE run_id = '{killed.name}' ORDER BY step")["step"].to_pylist()
+    assert logged == [2, 3]
 
