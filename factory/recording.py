@@ -4,6 +4,7 @@ the recipe enables them. The loop calls one `RunRecorder` and never knows which 
 from __future__ import annotations
 
 import concurrent.futures
+from collections import Counter
 import json
 import shutil
 from pathlib import Path
@@ -75,7 +76,7 @@ class RunRecorder:
         (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
         self.metrics_file = open(run_dir / "metrics.jsonl", "a")
         self.samples_file = open(run_dir / "samples.jsonl", "a")
-        self.staleness: list[int] = []
+        self.staleness: Counter[int] = Counter()  # trained samples by staleness (counts: runs last days)
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder")
         self._queued: list[concurrent.futures.Future] = []
         self.lake = None
@@ -136,7 +137,7 @@ class RunRecorder:
             row = s.to_dict()
             row.update(trained_step=step, trained_version=batch.version, staleness=batch.version - s.oldest_version)
             self.samples_file.write(json.dumps(row) + "\n")
-            self.staleness.append(row["staleness"])
+            self.staleness[row["staleness"]] += 1
         self.samples_file.flush()
         if self.lake is not None:
             from factory.lake.writer import sample_rows

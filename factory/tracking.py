@@ -275,7 +275,7 @@ class RunTracker:
         else:
             self._call(partial(self.client.log_artifact, run_id, str(path), artifact_path))
 
-    def log_plots(self, metrics_jsonl: str | Path, staleness: Iterable[int] = (),
+    def log_plots(self, metrics_jsonl: str | Path, staleness: Iterable[int] | Mapping[int, int] = (),
                   out_dir: str | Path | None = None) -> list[Path]:
         """Plot the reward curve, throughput and staleness histogram as PNGs; log them under `plots/`.
 
@@ -283,8 +283,9 @@ class RunTracker:
         without them: the running mean).
 
         `metrics_jsonl` is the run's metrics file (one `{"step": s, name: value, ...}` per line);
-        `staleness` the per-sample staleness of trained samples. Plots whose data is absent are
-        skipped. Returns the PNG paths.
+        `staleness` the per-sample staleness of trained samples, or their counts by value (what a run
+        keeps: a run of days trains millions). Plots whose data is absent are skipped. Returns the PNG
+        paths.
         """
         metrics_jsonl = Path(metrics_jsonl)
         out = Path(out_dir) if out_dir is not None else metrics_jsonl.parent / "plots"
@@ -296,9 +297,9 @@ class RunTracker:
                                    out / "reward.png"))
         if series[THROUGHPUT_METRIC] or any(series[k] for k in WINDOWED_THROUGHPUT.values()):
             made.append(throughput_plot(series, out / "throughput.png"))
-        staleness = list(staleness)
-        if staleness:
-            made.append(_staleness_histogram(staleness, out / "staleness.png"))
+        counts = Counter(staleness) if not isinstance(staleness, Mapping) else Counter(dict(staleness))
+        if sum(counts.values()):
+            made.append(_staleness_histogram(counts, out / "staleness.png"))
         for path in made:
             self.log_artifact(path, "plots")
         return made
@@ -469,15 +470,14 @@ def throughput_plot(series: Mapping[str, list[tuple[int, float]]], path: Path) -
     return path
 
 
-def _staleness_histogram(staleness: list[int], path: Path) -> Path:
+def _staleness_histogram(counts: Counter, path: Path) -> Path:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6, 3.5), dpi=100)
     ax = fig.subplots()
-    counts = Counter(staleness)
-    values = sorted(counts)
+    values = sorted(v for v in counts if counts[v])
     ax.bar(values, [counts[v] for v in values], width=0.8)
-    ax.set(title=f"staleness of trained samples (n={len(staleness)})", xlabel="versions behind",
+    ax.set(title=f"staleness of trained samples (n={sum(counts.values())})", xlabel="versions behind",
            ylabel="samples", xticks=values)
     fig.tight_layout()
     fig.savefig(path)

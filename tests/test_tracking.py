@@ -67,6 +67,19 @@ def test_plots_are_pngs_logged_as_artifacts(finished_run):
     assert all(a.file_size > 1000 for a in logged)
 
 
+def test_the_staleness_histogram_takes_counts_as_a_run_keeps_them(finished_run, tmp_path):
+    """A run keeps its trained samples' staleness as counts (a run of days trains millions): the plot of
+    the counts is the plot of the values."""
+    from collections import Counter
+
+    tracker, _, plots = finished_run
+    (by_value,) = [p for p in plots if p.name == "staleness.png"]
+    again = tracker.log_plots(tmp_path / "none.jsonl", staleness=Counter({1: 3, 0: 2, 2: 1, 5: 0}),
+                              out_dir=tmp_path / "plots")
+    assert [p.name for p in again] == ["staleness.png"] and again[0].read_bytes() == by_value.read_bytes()
+    assert tracker.log_plots(tmp_path / "none.jsonl", staleness=Counter(), out_dir=tmp_path / "empty") == []
+
+
 def test_resume_continues_the_same_run(finished_run, tmp_path):
     first, run_id, _ = finished_run
     tracker = RunTracker()
