@@ -226,13 +226,17 @@ class RunRecorder:
             self.lake.append("checkpoints", [{"run_id": self.run_id, "step": step, "version": version,
                                               "path": str(path), "lineage": manifest}])
 
-    def flush(self) -> None:
+    def flush(self, checkpoint_step: int | None = None) -> None:
         """Wait until the lake has committed every row recorded so far and MLflow holds every step logged
         so far (before a checkpoint is saved: a run resumed from it re-sends nothing up to it, and a
-        crashed attempt's unsent steps are only those past it)."""
+        crashed attempt's unsent steps are only those past it). Before the checkpoint of
+        `checkpoint_step`, the lake writer then forgets the keys of the rows before it
+        (`committed_through`): its memory holds a checkpoint interval's keys, not a run of days'."""
         self.drain()
         if self.lake is not None:
             self.lake.flush()
+            if checkpoint_step is not None:
+                self.lake.committed_through(self.run_id, checkpoint_step)
         if self.tracker is not None:
             self.tracker.flush()
 

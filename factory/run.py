@@ -440,7 +440,7 @@ def _checkpoint(a: Actors, record: RunRecorder, run_dir: Path, step: int, deadli
     state, discarded, failed = ray.get(a.buffer.checkpoint_state.remote())
     record.log_discarded(step, discarded, failed)
     ckpt = run_dir / "checkpoints" / f"step-{step:06d}"
-    record.flush()  # the lake holds every row up to a checkpoint before the checkpoint exists
+    record.flush(checkpoint_step=step)  # the lake holds every row up to a checkpoint before the checkpoint exists
     bundle = get_within(a.trainer.checkpoint.remote({"buffer": state, "step": step}), deadlines.train_step_s,
                         f"checkpoint of step {step}", "deadlines.train_step_s")
     bundle.write(ckpt)  # from the trainer's node to the run dir

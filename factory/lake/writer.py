@@ -13,6 +13,12 @@ any row whose key is committed or pending. A crashed writer loses only its uncom
 the restarted run re-sends. A run resumed from a checkpoint first rewinds its partitions to it
 (`rewind`), so the steps it trains again are recorded once, from the attempt that trained them.
 
+A run of days records millions of rows, so a run's writer does not hold every key: `rewind(p)` and
+`committed_through(run, p)` set the run's floor, below which every row of the run is committed
+(rewound to it, or flushed before a checkpoint). Keys below the floor are forgotten, a row appended
+below it is dropped as a re-send (counted in `lake/skipped_rows`), and reading keys back scans only
+the run's rows at or above it (a relaunch after days reads a checkpoint's worth, not the run).
+
 Commits that conflict with another writer are retried by reloading the table, with backoff, up to
 `max_retries` times beyond PyIceberg's own retries. So is a table metadata file that reads as gone or
 cut short (`unreadable_metadata`): the catalog pointed at it, and concurrent commits replaced and
@@ -49,7 +55,7 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, ValidationError, ValidationException
-from pyiceberg.expressions import AlwaysTrue, And, EqualTo, GreaterThan
+from pyiceberg.expressions import AlwaysTrue, And, EqualTo, GreaterThan, GreaterThanOrEqual
 from pyiceberg.table import Table
 
 from factory.failures import ServiceOutage
@@ -124,7 +130,9 @@ class TrajectoryWriter:
         self._pending_bytes: dict[str, int] = defaultdict(int)
         self._spilled: dict[str, list[tuple[Path, int]]] = defaultdict(list)  # table → (Arrow file, rows), oldest first
         self._spills = 0
-        self._keys: dict[tuple[str, str | None], set[tuple]] = {}  # (table, scope value) → committed or pending keys
+        # (table, scope value) → {key: position} of the rows committed or pending (at or above the run's floor)
+        self._keys: dict[tuple[str, str | None], dict[tuple, Any]] = {}
+        self._floors: dict[str, int] = {}  # run_id → the position below which every row of the run is committed
         self._tables: dict[str, Table] = {}  # used by the commit thread only
         self._flushing = 0  # callers waiting in flush(): commit everything now
         self._busy = False
@@ -152,11 +160,13 @@ class TrajectoryWriter:
         with self._lock:
             for row in normalized:
                 key = tuple(row[c] for c in spec.key)
-                seen = self._seen(spec, _scope_of(spec, row))
-                if key in seen:
+                scope = _scope_of(spec, row)
+                seen = self._seen(spec, scope)
+                position = row.get(spec.position) if spec.position is not None else None
+                if key in seen or self._below_floor(spec, scope, position):
                     self._stats["skipped"] += 1
                     continue
-                seen.add(key)
+                seen[key] = position
                 fresh.append(row)
             if not fresh:
                 return 0
@@ -164,7 +174,7 @@ class TrajectoryWriter:
                 data = pa.Table.from_pylist(fresh, schema=spec.arrow)
             except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
                 for row in fresh:  # nothing was queued: forget the keys again
-                    self._seen(spec, _scope_of(spec, row)).discard(tuple(row[c] for c in spec.key))
+                    self._seen(spec, _scope_of(spec, row)).pop(tuple(row[c] for c in spec.key), None)
                 raise ValueError(f"lake table {table_name!r}: rows do not match its schema: {e}") from None
             self._pending[table_name].append(data)
             self._pending_rows[table_name] += data.num_rows
@@ -277,23 +287,39 @@ class TrajectoryWriter:
                         raise
                     time.sleep(backoff_s(attempt))
             with self._lock:
-                self._keys.pop((spec.name, run_id), None)  # read back on next append
+                self._keys.pop((spec.name, run_id), None)  # read back on next append, from the floor up
             if n:
                 deleted[spec.name] = n
+        with self._lock:
+            self._floors[run_id] = position  # what is left of the run ends at `position`: all committed
         return deleted
+
+    def committed_through(self, run_id: str, position: int) -> None:
+        """Every row of `run_id` below `position` is committed (e.g. flushed before a checkpoint at
+        `position`) and will not be recorded again: forget their keys, so a run's writer holds a
+        checkpoint interval's keys, not the run's; a row appended below it later is dropped as a re-send."""
+        with self._lock:
+            if position <= self._floors.get(run_id, position - 1):
+                return
+            self._floors[run_id] = position
+            for slot in [(name, scope) for name, scope in self._keys if scope == run_id
+                         and table_spec(name).position is not None and table_spec(name).run_scoped]:
+                self._keys[slot] = {k: at for k, at in self._keys[slot].items() if at is None or at >= position}
 
     def metrics(self) -> dict[str, float]:
         """Stable names: lake/commits, lake/rows, lake/commit_s_mean, lake/retries, … ; lake/outage_s is
         the time the catalog or object store was unreachable so far, lake/spilled_rows the rows that
-        waited on disk for it."""
+        waited on disk for it, lake/held_keys the row keys held for exactly-once (see `committed_through`)."""
         with self._lock:
             s = dict(self._stats)
             pending = sum(self._pending_rows.values()) + sum(n for files in self._spilled.values() for _, n in files)
+            held = sum(len(keys) for keys in self._keys.values())
         return {"lake/commits": float(s["commits"]), "lake/rows": float(s["rows"]),
                 "lake/commit_s_mean": s["commit_s"] / s["commits"] if s["commits"] else 0.0,
                 "lake/retries": float(s["retries"]), "lake/skipped_rows": float(s["skipped"]),
                 "lake/pending_rows": float(pending), "lake/snapshots_expired": float(s["expired"]),
-                "lake/outage_s": self.outage.seconds(), "lake/spilled_rows": float(s["spilled"])}
+                "lake/outage_s": self.outage.seconds(), "lake/spilled_rows": float(s["spilled"]),
+                "lake/held_keys": float(held)}
 
     def _normalize(self, spec: TableSpec, row: dict[str, Any]) -> dict[str, Any]:
         row = dict(row)
@@ -321,17 +347,32 @@ class TrajectoryWriter:
         return row
 
     def _load_keys(self, spec: TableSpec, value: str | None) -> None:
-        """On first sight of a partition (scope value) in a table, read back its committed keys."""
+        """On first sight of a partition (scope value) in a table, read back its committed keys (a
+        run's: from its floor up)."""
         slot = (spec.name, value)
         if slot in self._keys:
             return
-        keys = self._call(lambda: committed_keys(self.catalog.load_table((self.namespace, spec.name)), spec, value))
+        with self._lock:
+            floor = self._floor_of(spec, value)
+        keys = self._call(lambda: committed_keys(self.catalog.load_table((self.namespace, spec.name)), spec, value,
+                                                 floor))
         with self._lock:
             self._keys.setdefault(slot, keys)
 
-    def _seen(self, spec: TableSpec, value: str | None) -> set[tuple]:
-        """Keys of one partition of this table that are committed or pending (after `_load_keys`)."""
+    def _seen(self, spec: TableSpec, value: str | None) -> dict[tuple, Any]:
+        """Keys (with their positions) of one partition of this table that are committed or pending
+        (after `_load_keys`)."""
         return self._keys[(spec.name, value)]
+
+    def _floor_of(self, spec: TableSpec, value: str | None) -> int | None:
+        """The run's floor, for a run-scoped table with a position column (else None)."""
+        if spec.position is None or not spec.run_scoped or value is None:
+            return None
+        return self._floors.get(value)
+
+    def _below_floor(self, spec: TableSpec, value: str | None, position: Any) -> bool:
+        floor = self._floor_of(spec, value)
+        return floor is not None and position is not None and position < floor
 
     def _raise_pending_error(self) -> None:
         with self._lock:
@@ -536,15 +577,20 @@ def _scope_of(spec: TableSpec, row: dict[str, Any]) -> str | None:
     return row.get(spec.scope) if spec.scope is not None else None
 
 
-def committed_keys(table: Table, spec: TableSpec, value: str | None) -> set[tuple]:
-    """The key tuples already in `table` (only the partition `spec.scope = value` when given)."""
+def committed_keys(table: Table, spec: TableSpec, value: str | None, floor: int | None = None) -> dict[tuple, Any]:
+    """The key tuples already in `table` (only the partition `spec.scope = value` when given; only rows
+    at positions ≥ `floor` when given), each with its row's position (None without a position column)."""
     if table.current_snapshot() is None:
-        return set()
+        return {}
     row_filter = (EqualTo(term=spec.scope, value=value) if spec.scope is not None and value is not None
                   else AlwaysTrue())
-    data = table.scan(row_filter=row_filter, selected_fields=spec.key).to_arrow()
+    if floor is not None and spec.position is not None:
+        row_filter = And(row_filter, GreaterThanOrEqual(term=spec.position, value=floor))
+    fields = (*spec.key, spec.position) if spec.position is not None and spec.position not in spec.key else spec.key
+    data = table.scan(row_filter=row_filter, selected_fields=fields).to_arrow()
     columns = [data[c].to_pylist() for c in spec.key]
-    return set(zip(*columns))
+    positions = data[spec.position].to_pylist() if spec.position is not None else [None] * data.num_rows
+    return dict(zip(zip(*columns), positions))
 
 
 def conform(data: pa.Table, table: Table) -> pa.Table:

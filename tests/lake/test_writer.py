@@ -291,3 +291,40 @@ def test_rewind_deletes_a_runs_rows_beyond_a_checkpoint(catalog):
         "s3-0": 0.0, "s3-1": 0.0, "s4-0": 0.0, "s4-1": 0.0}
     assert [r["sample_id"] for r in samples if r["run_id"] == "other"] == ["s4-0"]
     assert sorted(r["step"] for r in _rows(catalog, "steps")) == [1, 2, 3, 4]
+
+
+def test_a_runs_writer_forgets_the_keys_below_a_checkpoint_and_drops_re_sends(catalog):
+    """Before a checkpoint at step 3 the run's rows are all committed (`committed_through`): the writer
+    keeps only keys from step 3 up (a run of days holds a checkpoint interval's keys), a re-sent row below
+    it is dropped without a scan, one at or above it by its key; new rows land."""
+    with TrajectoryWriter(catalog, run_id="r") as writer:
+        writer.append("samples", [sample_row("r", f"s{step}-{i}", step=step) for step in (1, 2, 3, 4) for i in (0, 1)])
+        writer.append("steps", [step_row("r", step) for step in (1, 2, 3, 4)])
+        writer.append("samples", [sample_row("other", "x1", step=1)])
+        writer.flush()
+        assert writer.metrics()["lake/held_keys"] == 8 + 4 + 1
+        writer.committed_through("r", 3)
+        assert writer.metrics()["lake/held_keys"] == 4 + 2 + 1  # run r's steps 3-4, and the other run's key
+        writer.committed_through("r", 2)  # a floor never goes back (only a rewind lowers it)
+        assert writer.metrics()["lake/held_keys"] == 4 + 2 + 1
+        assert writer.append("samples", [sample_row("r", "s1-0", step=1), sample_row("r", "s3-1", step=3),
+                                         sample_row("other", "x1", step=1)]) == 0
+        assert writer.append("samples", [sample_row("r", "s5-0", step=5), sample_row("other", "x2", step=1)]) == 2
+        assert writer.metrics()["lake/skipped_rows"] == 3
+    mine = [r["sample_id"] for r in _rows(catalog, "samples") if r["run_id"] == "r"]
+    assert sorted(mine) == sorted({*mine}) and len(mine) == 9
+    assert sorted(r["step"] for r in _rows(catalog, "steps")) == [1, 2, 3, 4]
+
+
+def test_a_relaunch_reads_back_only_the_keys_from_its_checkpoint_up(catalog):
+    """A relaunched run rewinds to its checkpoint (step 2): it reads back the run's keys from step 2 up,
+    not the whole run's; re-sends below and at the checkpoint are dropped, the steps after it land once."""
+    with TrajectoryWriter(catalog, run_id="r") as writer:
+        writer.append("samples", [sample_row("r", f"s{step}-{i}", step=step) for step in range(1, 7) for i in (0, 1)])
+    with TrajectoryWriter(catalog, run_id="r") as writer:
+        assert writer.rewind(2) == {"samples": 8}
+        assert writer.append("samples", [sample_row("r", "s1-0", step=1), sample_row("r", "s2-1", step=2)]) == 0
+        assert writer.metrics()["lake/held_keys"] == 2  # step 2's two keys, read back; not step 1's
+        assert writer.append("samples", [sample_row("r", f"s3-{i}", step=3, reward=0.0) for i in (0, 1)]) == 2
+    mine = [r for r in _rows(catalog, "samples") if r["run_id"] == "r"]
+    assert sorted(r["sample_id"] for r in mine) == ["s1-0", "s1-1", "s2-0", "s2-1", "s3-0", "s3-1"]
