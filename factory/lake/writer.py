@@ -55,7 +55,7 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, ValidationError, ValidationException
-from pyiceberg.expressions import AlwaysTrue, And, EqualTo, GreaterThan, GreaterThanOrEqual
+from pyiceberg.expressions import AlwaysTrue, And, BooleanExpression, EqualTo, GreaterThan, GreaterThanOrEqual
 from pyiceberg.table import Table
 
 from factory.failures import ServiceOutage
@@ -582,8 +582,8 @@ def committed_keys(table: Table, spec: TableSpec, value: str | None, floor: int 
     at positions ≥ `floor` when given), each with its row's position (None without a position column)."""
     if table.current_snapshot() is None:
         return {}
-    row_filter = (EqualTo(term=spec.scope, value=value) if spec.scope is not None and value is not None
-                  else AlwaysTrue())
+    row_filter: BooleanExpression = (EqualTo(term=spec.scope, value=value)
+                                     if spec.scope is not None and value is not None else AlwaysTrue())
     if floor is not None and spec.position is not None:
         row_filter = And(row_filter, GreaterThanOrEqual(term=spec.position, value=floor))
     fields = (*spec.key, spec.position) if spec.position is not None and spec.position not in spec.key else spec.key
