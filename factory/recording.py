@@ -4,9 +4,9 @@ the recipe enables them. The loop calls one `RunRecorder` and never knows which 
 from __future__ import annotations
 
 import concurrent.futures
-from collections import Counter
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 

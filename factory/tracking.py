@@ -297,7 +297,7 @@ class RunTracker:
                                    out / "reward.png"))
         if series[THROUGHPUT_METRIC] or any(series[k] for k in WINDOWED_THROUGHPUT.values()):
             made.append(throughput_plot(series, out / "throughput.png"))
-        counts = Counter(staleness) if not isinstance(staleness, Mapping) else Counter(dict(staleness))
+        counts = Counter(staleness)  # a Counter counts an iterable's values, and copies a mapping's counts
         if sum(counts.values()):
             made.append(_staleness_histogram(counts, out / "staleness.png"))
         for path in made:

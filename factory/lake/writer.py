@@ -302,8 +302,7 @@ class TrajectoryWriter:
             if position <= self._floors.get(run_id, position - 1):
                 return
             self._floors[run_id] = position
-            for slot in [(name, scope) for name, scope in self._keys if scope == run_id
-                         and table_spec(name).position is not None and table_spec(name).run_scoped]:
+            for slot in [(name, scope) for name, scope in self._keys if scope == run_id and _floored(table_spec(name))]:
                 self._keys[slot] = {k: at for k, at in self._keys[slot].items() if at is None or at >= position}
 
     def metrics(self) -> dict[str, float]:
@@ -366,9 +365,7 @@ class TrajectoryWriter:
 
     def _floor_of(self, spec: TableSpec, value: str | None) -> int | None:
         """The run's floor, for a run-scoped table with a position column (else None)."""
-        if spec.position is None or not spec.run_scoped or value is None:
-            return None
-        return self._floors.get(value)
+        return self._floors.get(value) if _floored(spec) and value is not None else None
 
     def _below_floor(self, spec: TableSpec, value: str | None, position: Any) -> bool:
         floor = self._floor_of(spec, value)
@@ -571,6 +568,11 @@ def summary_position(table: Table, run_id: str) -> int | None:
 
 def _count(table: Table, row_filter: Any, column: str) -> int:
     return table.scan(row_filter=row_filter, selected_fields=(column,)).to_arrow().num_rows
+
+
+def _floored(spec: TableSpec) -> bool:
+    """Whether a run's floor applies to the table: run-scoped, with a position column."""
+    return spec.position is not None and spec.run_scoped
 
 
 def _scope_of(spec: TableSpec, row: dict[str, Any]) -> str | None:

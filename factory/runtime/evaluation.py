@@ -28,6 +28,11 @@ CHUNK = 32  # tasks per call: progress moves every CHUNK episodes
 IN_FLIGHT = 4  # calls per worker at once: CHUNK * IN_FLIGHT episodes in flight, as before in one call
 
 
+def _check_samples(samples: int) -> None:
+    if samples < 1:
+        raise ValueError(f"samples: expected at least 1 episode per task, got {samples}")
+
+
 def evaluate_workers(workers, tasks, recipe: Recipe, tag: str,
                      on_progress: Callable[[int, int], None] | None = None, keep_episodes: bool = False,
                      samples: int = 1) -> dict:
@@ -38,8 +43,7 @@ def evaluate_workers(workers, tasks, recipe: Recipe, tag: str,
     which. `on_progress(done, total)` counts episodes after each chunk; the whole evaluation ends
     within `deadlines.evaluation_s`. `keep_episodes`: the result's "episodes" holds each episode's
     Sample, in the tasks' order (a task's samples together; for the lake)."""
-    if samples < 1:
-        raise ValueError(f"samples: expected at least 1 episode per task, got {samples}")
+    _check_samples(samples)
     deadline = Deadline(recipe.deadlines.evaluation_s, f"evaluation {tag} on {len(tasks)} tasks"
                         + (f" × {samples} samples" if samples > 1 else ""), "deadlines.evaluation_s")
     played = [t for t in tasks for _ in range(samples)]
@@ -88,8 +92,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, suite: str = "he
     afterwards, so they must be servers no run is training on) and leaving them running.
     `on_phase(text)` names each stage, `on_progress(done, total)` counts episodes."""
     phase = on_phase or (lambda _: None)
-    if samples < 1:
-        raise ValueError(f"samples: expected at least 1 episode per task, got {samples}")
+    _check_samples(samples)  # before an engine starts
     checkpoint = Path(checkpoint)
     if not (checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"{checkpoint}: not a model directory (no config.json)")
