@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +39,29 @@ def check_response(resp: httpx.Response, what: str) -> None:
 
 class EngineStartError(RuntimeError):
     pass
+
+
+class EngineDead(RuntimeError):
+    """A request failed because the engine behind a live API server died (vLLM's engine core: its
+    server stays up and answers every request with EngineDeadError). The engine is lost like a killed
+    one: its groups are re-queued and the run's supervisor restarts it."""
+
+
+# an exception line of a Python traceback: "RuntimeError: ...", "torch.OutOfMemoryError: ..."
+_EXCEPTION_LINE = re.compile(r"(?:^|\s)((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt)(?::\s.*)?)$")
+_NOT_THE_CAUSE = ("EngineDeadError", "EngineCore encountered an issue", "EngineGenerateError")
+
+
+def root_cause_line(log_text: str) -> str | None:
+    """The last exception line of a server log's tracebacks that is not the engine's death notice
+    itself (what the API server answers says "see stack trace above"; the trace is in the log), e.g.
+    "RuntimeError: CPU Generator does not use offset"; None when the log holds none."""
+    found = None
+    for line in log_text.splitlines():
+        match = _EXCEPTION_LINE.search(line.rstrip())
+        if match and not any(word in line for word in _NOT_THE_CAUSE):
+            found = match.group(1).strip()
+    return found
 
 
 # Kills the server's process group once the process that started it is gone. Why: Ray SIGKILLs
@@ -122,6 +146,8 @@ class ServerProcess:
 
     name = "inference"
     health_path = "/health"
+    # the health route's status that means the engine behind the live server died (vLLM: 503)
+    dead_status: int | None = None
     # fork it from a zygote that holds the server's imports (factory/rollout/zygote.py), not spawn it
     # (VLLMServer on CPU); spawned as before if the zygote cannot be had
     zygote = False
@@ -181,6 +207,13 @@ class ServerProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+    def root_cause(self) -> str | None:
+        """The root-cause line of the server's log (`root_cause_line`), if it holds one."""
+        try:
+            return root_cause_line(self.log_path.read_text(errors="replace")[-200_000:])
+        except OSError:
+            return None
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM, then SIGKILL after `grace_s` (0: at once), then the whole process group."""
@@ -244,8 +277,28 @@ class ServerClient:
         except httpx.HTTPError as err:
             return proc is not None, f"{path}: {type(err).__name__}: {err}"
         if resp.status_code != 200:
+            if resp.status_code == getattr(self.server, "dead_status", None):
+                return True, self.death()
             return False, f"{path} answered {resp.status_code}"
         return None
+
+    def death(self) -> str:
+        """Why the engine behind the live server is dead: its log's root-cause line where we have the log."""
+        cause = self.server.root_cause() if hasattr(self.server, "root_cause") else None
+        where = f" (see {self.server.log_path})" if getattr(self.server, "log_path", None) else ""
+        return f"its engine died while its server stayed up: {cause or 'no cause in its log'}{where}"
+
+    async def dead(self, timeout_s: float = 10.0) -> EngineDead | None:
+        """After a failed request: EngineDead if the engine behind the server is dead (its health route
+        says so), else None (the request failed on its own, or the server is unreachable: a loss that
+        the caller already sees as a transport error)."""
+        if getattr(self.server, "dead_status", None) is None:
+            return None
+        try:
+            health = await self.health(timeout_s)
+        except Exception:  # noqa: BLE001  (a probe's own failure decides nothing)
+            return None
+        return EngineDead(health[1]) if health is not None and health[0] else None
 
     async def close_client(self) -> None:
         if self._client is not None:

@@ -113,6 +113,7 @@ class VLLMServer(ServerProcess):
     launch is untested here)."""
 
     name = "vLLM"
+    dead_status = 503  # its /health once the engine core died (the API server stays up)
 
     def __init__(self, model: str, *, dtype: str = "bfloat16", max_model_len: int = 256,
                  kv_cache_gb: int = 2, threads: int = 1, log_path: Path | None = None,
@@ -180,6 +181,8 @@ class AttachedServer:
     The run attaches to it, syncs weights into it and leaves it running. Weight broadcast needs the
     server to have been started with our worker extension and `VLLM_SERVER_DEV_MODE=1`, which
     `factory serve` does; `inflight` needs our batch route (the vllm_site hook), which it also adds."""
+
+    dead_status = 503  # as VLLMServer's
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")

@@ -136,8 +136,17 @@ class EngineActor(Placed):
         return await self.engine.generate(prompt_ids, sampling, request_id)
 
     async def generate_many(self, requests: list[tuple]) -> list:
-        """Many `generate` calls in one Ray call: each result is a Generation or the exception it raised."""
-        return await asyncio.gather(*(self.engine.generate(*r) for r in requests), return_exceptions=True)
+        """Many `generate` calls in one Ray call: each result is a Generation or the exception it raised.
+        Where calls failed because the engine behind its live server died (`EngineDead`, from one health
+        probe after a failure), each failure is that: the engine is lost, not the episodes."""
+        results = await asyncio.gather(*(self.engine.generate(*r) for r in requests), return_exceptions=True)
+        failed = [i for i, r in enumerate(results) if isinstance(r, Exception) and not engine_lost(r)]
+        probe = getattr(self.engine, "dead", None)
+        dead = await probe() if failed and probe is not None else None
+        if dead is not None:
+            for i in failed:
+                results[i] = dead
+        return results
 
     async def weight_checksum(self, name: str) -> float:
         """Sum (in float32) of one parameter as the engine holds it (vLLM; tests check an update is exact)."""
@@ -292,11 +301,13 @@ def engine_lost(result) -> bool:
     closed mid-answer), as opposed to a request the engine refused or an answer?"""
     import httpx
 
-    if isinstance(result, (ray.exceptions.RayActorError, EngineLost)):
+    from factory.rollout.server import EngineDead
+
+    if isinstance(result, (ray.exceptions.RayActorError, EngineLost, EngineDead)):
         return True
     if isinstance(result, ray.exceptions.RayTaskError):
         result = result.cause
-    return isinstance(result, (httpx.TransportError, EngineLost))
+    return isinstance(result, (httpx.TransportError, EngineLost, EngineDead))
 
 
 @ray.remote(num_cpus=0)

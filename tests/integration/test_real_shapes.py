@@ -42,3 +42,31 @@ def test_seeded_sampling_of_many_long_prompts_survives_chunked_prefill_and_draws
     assert again == together
     assert alone == together[:16]
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # the engine core is alive
+
+
+def test_an_engine_core_that_dies_under_its_live_server_is_a_lost_engine_named_by_its_root_cause(
+        ray_cluster, recipe, policy, tmp_path):
+    """vLLM's own rewind (FACTORY_CPU_SEEDED_REWIND=0) kills the engine core on the shapes above while its
+    API server stays up, answering every request with "EngineCore encountered an issue. See stack trace
+    (above)". The engine actor turns those failures into `EngineDead` (a lost engine: its groups are
+    re-queued and the supervisor restarts it, as for a killed server) carrying the root-cause line from
+    the server's log, and its health probe says dead, with the same line."""
+    from factory.rollout.engine import SamplingParams
+    from factory.rollout.server import EngineDead
+    from factory.runtime.actors import EngineActor
+
+    env = {"FACTORY_CPU_SEEDED_REWIND": "0"}  # read per call: a server forked by the zygote takes it too
+    actor = EngineActor.options(runtime_env={"env_vars": env}).remote(
+        "vllm", str(policy), recipe.rollout, str(tmp_path / "vllm.log"))
+    ray.get(actor.start.remote())
+    try:
+        sampling = SamplingParams(max_new_tokens=16, seed=11)
+        results = ray.get(actor.generate_many.remote([(p, sampling, f"r{i}") for i, p in enumerate(long_prompts())]))
+        dead = [r for r in results if isinstance(r, EngineDead)]
+        assert dead and all(isinstance(r, EngineDead) for r in results if isinstance(r, Exception)), results[:3]
+        cause = "RuntimeError: CPU Generator does not use offset"
+        assert cause in str(dead[0]) and "its engine died while its server stayed up" in str(dead[0])
+        health = ray.get(actor.health.remote(10.0))
+        assert health is not None and health[0] is True and cause in health[1]
+    finally:
+        ray.get(actor.stop.remote())

@@ -80,6 +80,8 @@ def _patch_seeded_rewind(module) -> None:
     sample, bookkeeping = runner._sample, runner._bookkeeping_sync
 
     def _sample(self, *args, **kwargs):
+        if os.environ.get("FACTORY_CPU_SEEDED_REWIND") == "0":  # vLLM's own rewind (tests show what it does)
+            return sample(self, *args, **kwargs)
         # the CPU generators of the requests whose sampled token this step discards (partial prefills)
         batch = self.input_batch
         discard = self.discard_request_mask.np[: batch.num_reqs].nonzero()[0]
