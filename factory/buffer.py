@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from factory.types import NOT_SAMPLED, Batch, Group, Sample
@@ -81,6 +83,12 @@ class StalenessBuffer:
     step if it is still fresh enough, else dropped as stale (the price, as with O). Off at η = 0:
     a synchronous step trains exactly the groups it started for it (reproducible runs).
 
+    Reward spread (`since_spread`): a group "has a spread" when it is queued for training with rewards that
+    are not all equal (the only groups whose advantages are not all 0). Since the last such group the
+    buffer counts the finished groups (failed ones are the failure gate's), their samples, their mean
+    reward and the seconds (from the first group's start when none had a spread yet); the run warns and
+    stops on it (`factory.failures.SpreadWatch`). Not checkpointed: a resumed run counts afresh.
+
     Discards (`keep_discarded`): every sample that will never be trained is kept, with its fate
     (`filtered`, `rejected`, or `unused` for what `drain_unused` empties from the queue at the end) and
     the reason, until `take_discarded` hands them to the recorder: the lake holds every generated
@@ -96,6 +104,7 @@ class StalenessBuffer:
         overprovision: int = 0,
         keep_discarded: bool = False,
         expect_filtering: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if groups_per_step <= 0:
             raise ValueError(f"groups_per_step must be > 0, got {groups_per_step}")
@@ -130,6 +139,8 @@ class StalenessBuffer:
         # biased toward 0.5 by the zero-variance filter, so it is not the policy's accuracy
         self._reward_sum = 0.0
         self._reward_n = 0
+        self.clock = clock
+        self.since_spread = SinceSpread()
 
     # ---- version -------------------------------------------------------------------------
 
@@ -168,6 +179,8 @@ class StalenessBuffer:
         if self.capacity() <= 0:
             return False
         self.running += 1
+        if self.since_spread.at is None:  # the first group: the time without a spread counts from here
+            self.since_spread.at = self.clock()
         return True
 
     def release(self) -> None:
@@ -195,13 +208,19 @@ class StalenessBuffer:
         if self._no_reward_variance(group.samples):
             self.filtered += 1
             self._discard(FILTERED, group.samples, "zero reward variance")
+            self.since_spread.add(group, FILTERED)
             return FILTERED
         fresh = self._fresh_or_none(group)
         if fresh is None:
             self.rejected_groups += 1
+            self.since_spread.add(group, REJECTED)
             return REJECTED
         self._queue.append(fresh)
         self.accepted += 1
+        if len({s.reward for s in fresh.samples}) > 1:
+            self.since_spread = SinceSpread(at=self.clock())
+        else:  # the filter is off: trained, with advantage 0
+            self.since_spread.add(group, ACCEPTED)
         return ACCEPTED
 
     # ---- consumption ---------------------------------------------------------------------
@@ -307,6 +326,7 @@ class StalenessBuffer:
             "buffer/capacity": float(self.capacity()),
             "buffer/acceptance": self.acceptance(),
             "staleness/version": float(self._version),
+            **self.since_spread.metrics(self.clock()),
         }
 
     _COUNTERS = (
@@ -333,3 +353,32 @@ class StalenessBuffer:
         self._let_through = deque((bool(x) for x in state.get("let_through", [])), maxlen=ACCEPTANCE_WINDOW)
         self.running = 0
         self.accepted = self.consumed + len(self._queue)
+
+
+@dataclasses.dataclass
+class SinceSpread:
+    """The groups finished since the last one queued with a reward spread (see `StalenessBuffer`)."""
+
+    at: float | None = None  # when that group finished (or the first group started); None before any started
+    groups: int = 0
+    samples: int = 0
+    reward_sum: float = 0.0
+    filtered: int = 0  # dropped by the zero-variance filter
+    rejected: int = 0  # rejected as stale
+
+    def add(self, group: Group, fate: str) -> None:
+        self.groups += 1
+        self.samples += len(group.samples)
+        self.reward_sum += sum(group.rewards)
+        self.filtered += fate == FILTERED
+        self.rejected += fate == REJECTED
+
+    def metrics(self, now: float) -> dict[str, float]:
+        return {
+            "buffer/groups_since_spread": float(self.groups),
+            "buffer/samples_since_spread": float(self.samples),
+            "buffer/reward_since_spread": self.reward_sum / max(1, self.samples),
+            "buffer/filtered_since_spread": float(self.filtered),
+            "buffer/rejected_since_spread": float(self.rejected),
+            "buffer/seconds_since_spread": 0.0 if self.at is None else max(0.0, now - self.at),
+        }

@@ -26,7 +26,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from factory.parallel import TrainerSetupError
     from factory.runtime.cluster import ClusterUnreachable, PlacementError
 
-    return (EngineStartError, PlacementError, ClusterUnreachable, ProfileError, FileNotFoundError, TrainerSetupError)
+    # RecipeError: a run's own data check (prompts longer than the context: factory.data.lengths)
+    return (EngineStartError, PlacementError, ClusterUnreachable, ProfileError, FileNotFoundError, TrainerSetupError,
+            RecipeError)
 
 
 def _cause(err: BaseException) -> str:
@@ -57,7 +59,10 @@ def _checked(file: str, overrides: list[str], check_machine: bool = True) -> tup
     problems = [line for point in points for line in machine_problems(point, file)]
     checks = {}
     for point in points:
-        key = json.dumps([point.data.model_dump(mode="json"), point.environment.model_dump(mode="json")], sort_keys=True)
+        # what the data check reads: the tasks, their prompts, the tokenizer (model) and the prompts' room
+        key = json.dumps([point.data.model_dump(mode="json"), point.environment.model_dump(mode="json"),
+                          point.model.model_dump(mode="json"), point.rollout.max_model_len,
+                          point.rollout.max_new_tokens], sort_keys=True)
         if key not in checks:
             checks[key] = check_data(point)
     problems += [f"{file}: {line}" for check in checks.values() for line in check.problems]

@@ -8,14 +8,18 @@ buffer, whose `FailureGate` fails the run once failures pass the recipe's `failu
 have finished. The run then stops with an `EnvironmentFailure` naming the environment and showing
 the first traceback. Every wait of the loop has a deadline (`deadlines.*`); one that passes stops
 the run with a `DeadlineExceeded` naming the setting; a lake or MLflow outage longer than
-`deadlines.service_outage_s` with a `ServiceOutage` naming the service.
+`deadlines.service_outage_s` with a `ServiceOutage` naming the service. Training on which no group
+has a reward spread (every reply scored alike) warns every `deadlines.no_signal_warn_s` and stops at
+`deadlines.no_signal_s` (`SpreadWatch`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -115,3 +119,75 @@ class FailureGate:
         assert first is not None and self.tripped
         return (f"environment {first.env!r}: {self._counts}, {self.tripped}; "
                 f"first error: {first.error} (task {first.task_id}); its traceback:\n{first.traceback.rstrip()}")
+
+
+class NoRewardSpread(RunFailure):
+    """No finished group had a reward spread for `deadlines.no_signal_s` (`SpreadWatch`)."""
+
+
+ASK_AT_MOST_EVERY_S = 2.0  # how often, at most, SpreadWatch asks the buffer (a Ray call)
+
+
+class SpreadWatch:
+    """Warns, then stops the run, when groups keep finishing but none has a reward spread.
+
+    Fed the buffer's `buffer/*_since_spread` metrics (`StalenessBuffer.since_spread`): once the seconds
+    since the last group with a spread reach `warn_s` (with at least one group finished since),
+    `observe` calls `warn` with one line holding the counts, again at most every `warn_s`; once they
+    reach `stop_s` (0 or None: never) it raises `NoRewardSpread` with that line. One rule with the
+    zero-variance filter on (those groups are dropped: no batch comes) and off (they are trained with
+    advantage 0: steps without a policy gradient; the run watches only where that holds). `due()`:
+    whether the buffer's seconds may have crossed a threshold since the last `observe`, on this
+    process's `clock` (the loop asks the buffer only then, not at every poll of a batch wait)."""
+
+    def __init__(self, warn_s: float, stop_s: float | None, warn: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic):
+        self.warn_s = warn_s
+        self.stop_s = stop_s or None
+        self.warn = warn
+        self.clock = clock
+        self.warned_at: float | None = None
+        # the buffer counts from its first group's start, after this: no threshold is reached sooner
+        self.next_at = self.clock() + min(warn_s, self.stop_s or warn_s)
+
+    def due(self) -> bool:
+        return self.clock() >= self.next_at
+
+    def observe(self, metrics: dict[str, float]) -> None:
+        now = self.clock()
+        seconds, groups = metrics["buffer/seconds_since_spread"], metrics["buffer/groups_since_spread"]
+        if groups and (seconds >= self.warn_s or (self.stop_s and seconds >= self.stop_s)):
+            line = self.message(metrics)
+            if self.stop_s and seconds >= self.stop_s:
+                raise NoRewardSpread(f"{line}; the run stops at deadlines.no_signal_s={self.stop_s:g}")
+            if self.warned_at is None or now - self.warned_at >= self.warn_s:
+                self.warned_at = now
+                self.warn(line)
+        ahead = [t - seconds for t in (self.warn_s, self.stop_s) if t and t > seconds]
+        if seconds >= self.warn_s:  # the next line once allowed; without a finished group, soon
+            ahead.append(self.warned_at + self.warn_s - now if groups and self.warned_at is not None else 0.0)
+        self.next_at = now + max(ASK_AT_MOST_EVERY_S, min(ahead, default=ASK_AT_MOST_EVERY_S))
+
+    def message(self, m: dict[str, float]) -> str:
+        """One line: how long, how many groups and samples, their mean reward and what became of them."""
+        groups, filtered, stale = (int(m[f"buffer/{k}_since_spread"]) for k in ("groups", "filtered", "rejected"))
+        reward = m["buffer/reward_since_spread"]
+        fates = []
+        if filtered:
+            fates.append("algorithm.filter_zero_variance dropped " + ("them all" if filtered == groups else
+                                                                      f"{filtered} of them"))
+        if groups - filtered - stale:
+            trained = groups - filtered - stale
+            fates.append(("they were" if trained == groups else f"{trained} were") + " trained with advantage 0 "
+                         "(algorithm.filter_zero_variance is off)")
+        if stale:
+            fates.append(("they were" if stale == groups else f"{stale} were") + " rejected as stale")
+        if reward <= 0:
+            why = "the policy may never solve these tasks"
+        elif reward >= 1:
+            why = "the policy already solves every one of these tasks"
+        else:
+            why = "every group's replies scored alike"
+        return (f"no reward spread for {m['buffer/seconds_since_spread']:.0f} s: {groups} groups "
+                f"({m['buffer/samples_since_spread']:.0f} samples) finished since the last one, mean reward "
+                f"{reward:.3f}, and {' and '.join(fates)}; {why} (see deadlines.no_signal_s)")

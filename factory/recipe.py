@@ -214,6 +214,10 @@ class DataSection(Section):
                             description="the families' unique training questions (fewer if a family is small)")
     heldout_size: int = Field(1000, gt=0, le=MAX_HELDOUT_SIZE, description="the families' held-out questions")
     seed: int = 0
+    overlong: Literal["error", "drop", "truncate"] = Field(
+        "error", description="prompts longer than rollout.max_model_len - rollout.max_new_tokens tokens: error "
+        "(the recipe check and the run refuse them), drop (those tasks leave the run, recorded in the lake as "
+        "`dropped`), truncate (the user message is cut from its start until the prompt fits)")
 
     @model_validator(mode="before")
     @classmethod
@@ -239,6 +243,8 @@ class DataSection(Section):
         data = handler(self)
         if not self.sources:
             data.pop("sources", None)
+        if self.overlong == "error":  # the same for data.overlong, added later
+            data.pop("overlong", None)
         return data
 
 
@@ -610,6 +616,15 @@ class DeadlinesSection(Section):
     service_outage_s: float = Field(
         300, gt=0, description="one outage of the lake's catalog or object store or of MLflow: writes are retried "
         "and queued (then spilled to the run dir) while training goes on; longer stops the run")
+    no_signal_warn_s: float = Field(
+        60, gt=0, description="training with groups finishing but none with a reward spread (rewards not all "
+        "equal, the only groups with a gradient) for this long logs a warning, repeated at most this often")
+    no_signal_s: float | None = Field(
+        480, ge=0, description="no reward spread for this long stops the run (below deadlines.batch_s, so with the "
+        "filter on this line, not the batch's deadline, ends it), whether the zero-variance filter "
+        "drops those groups (no batch comes) or trains them with advantage 0 (no policy gradient; with the filter "
+        "off, not watched where equal rewards may still teach: a teacher, reinforce_pp, overlong_buffer); 0 or "
+        "null: never")
 
 
 class LakeSection(Section):

@@ -170,6 +170,15 @@ class RunRecorder:
         rows += [failed_row(self.run_id, group_id, f.task_id, f.env, f.error, step) for group_id, f in failed]
         self.lake.append("samples", rows)
 
+    def log_dropped(self, dropped: list[tuple[str, str]]) -> None:
+        """Tasks left out at the run's start ((task id, why) each: `data.overlong: drop`), one `dropped`
+        row each at step 0 (a resumed run's are known keys: not recorded twice)."""
+        if self.lake is not None and dropped:
+            from factory.lake.writer import dropped_row
+
+            env = self.recipe.environment.name
+            self._submit(self.lake.append, "samples", [dropped_row(self.run_id, task, env, why) for task, why in dropped])
+
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         self.step = step
         self.origin()

@@ -23,12 +23,13 @@ from typing import Any
 
 import ray
 
+from factory.data.lengths import fit_prompts
 from factory.data.tasks import ReasoningGymSource
 from factory.evaluate import suite_tasks
-from factory.model.sft import ensure_base_policy
+from factory.model.sft import base_policy_plan, ensure_base_policy
 from factory.outage import first_line
 from factory.recipe import Recipe
-from factory.failures import RunFailure
+from factory.failures import RunFailure, SpreadWatch
 from factory.recording import RunRecorder, latest_checkpoint, prune_checkpoints
 from factory.rewards import verifier_specs
 from factory.runtime.actors import (
@@ -105,11 +106,15 @@ class TrainerLost(RuntimeError):
 def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, resume_from, engines,
          on_sft_step, before: dict | None = None) -> dict:
     t_start = time.time()
-    phase("base policy (build + SFT warm start, cached)")
+    plan = base_policy_plan(recipe)  # a new warm start is minutes of SFT: the line says why and about how long
+    log.info(plan)
+    phase(plan)
     # a resumed run starts from the base policy too and loads the checkpoint's state into the trainer: the
     # KL reference and the LoRA base stay the original policy (not the checkpoint's merged weights)
     policy = ensure_base_policy(recipe, on_sft_step)
     source = ReasoningGymSource.from_recipe(recipe.data)
+    # prompts longer than the engines' context: one line before anything starts, or dropped or cut (data.overlong)
+    record.log_dropped(fit_prompts(recipe, policy, source))
     heldout = suite_tasks(recipe, "heldout", source=source)  # a seeded sample, never a prefix
     deadlines = recipe.deadlines  # every wait below ends: batch, weight sync, trainer step, evaluation
 
@@ -132,15 +137,18 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         producing = [w.produce.remote() for w in a.workers]
         sup.start(producing)
         clock = LoopClock(generated=ray.get(a.buffer.metrics.remote())["buffer/finished_samples"])
+        watch = _spread_watch(recipe, phase)
         last_checkpoint = time.monotonic()
         try:
             for step in range(version + 1, recipe.train.steps + 1):
-                batch = clock.waiting(partial(_next_batch, a, step, deadlines, sup.check))
+                batch = clock.waiting(partial(_next_batch, a, step, deadlines, _polling(a, watch, sup.check)))
                 batch, metrics = _score_and_train(a, batch, step, deadlines, sup)
                 metrics.update(clock.synced(_publish(sync, sup, step)))  # returns once new requests wait for `step`
                 ray.get(a.buffer.set_version.remote(step))
                 _record_samples(a, record, batch, step)
                 metrics.update(_observe(a, clock, len(batch.samples)))
+                if watch:  # with the filter off, batches keep coming whether they hold a gradient or not
+                    watch.observe(metrics)
                 metrics.update(sup.metrics())
                 record.log_step(step, metrics)
                 if on_step:
@@ -369,6 +377,36 @@ def _trainer_alive(a: Actors) -> bool:
         return False
 
 
+def _spread_watch(recipe: Recipe, phase) -> SpreadWatch | None:
+    """The watch for training without reward spread, where a group of equal rewards gives no gradient: the
+    zero-variance filter drops it, or its advantages are 0 (a per-group estimator, no teacher, no overlong
+    shaping); None where such a group may still teach (the filter off and any of those)."""
+    from factory.algo.advantages import BATCH_SCOPE
+
+    algo = recipe.algorithm
+    if not algo.filter_zero_variance and (algo.advantage in BATCH_SCOPE or algo.distill.teacher or algo.overlong_buffer):
+        return None
+    return SpreadWatch(recipe.deadlines.no_signal_warn_s, recipe.deadlines.no_signal_s, partial(_warn, phase))
+
+
+def _polling(a: Actors, watch: SpreadWatch | None, check: Callable[[], bool]) -> Callable[[], bool]:
+    """The poll of a batch wait: the supervisor's `check`, then the spread watch when it is due."""
+    def poll() -> bool:
+        restarted = check()
+        if watch and watch.due():
+            try:
+                watch.observe(ray.get(a.buffer.metrics.remote(), timeout=10))
+            except ray.exceptions.GetTimeoutError:  # a buffer that hangs ends the wait by deadlines.batch_s
+                pass
+        return restarted
+    return poll
+
+
+def _warn(phase, line: str) -> None:
+    log.warning(line)
+    phase(line)
+
+
 def _next_batch(a: Actors, step: int, deadlines, poll=None):
     return get_within(a.buffer.get_batch.remote(), deadlines.batch_s, f"the batch of step {step}",
                       "deadlines.batch_s", lambda: _buffer_state(a.buffer), poll)
@@ -534,6 +572,11 @@ def _buffer_state(buffer) -> str:
         m = ray.get(buffer.metrics.remote(), timeout=10)
     except Exception:  # noqa: BLE001  (the buffer itself may be what hangs)
         return "the buffer did not answer either"
-    return (f"buffer: {m['buffer/running']:.0f} groups running, {m['buffer/queued']:.0f} queued; finished so far "
-            f"{m['buffer/consumed']:.0f} trained, {m['buffer/filtered']:.0f} filtered, {m['buffer/rejected_groups']:.0f} "
-            f"rejected, {m['buffer/failed']:.0f} failed")
+    state = (f"buffer: {m['buffer/running']:.0f} groups running, {m['buffer/queued']:.0f} queued; finished so far "
+             f"{m['buffer/consumed']:.0f} trained, {m['buffer/filtered']:.0f} filtered, {m['buffer/rejected_groups']:.0f} "
+             f"rejected, {m['buffer/failed']:.0f} failed")
+    if m["buffer/groups_since_spread"]:  # deadlines.batch_s may come before deadlines.no_signal_s
+        state += (f"; no reward spread for {m['buffer/seconds_since_spread']:.0f} s ("
+                  f"{m['buffer/groups_since_spread']:.0f} groups since the last one, mean reward "
+                  f"{m['buffer/reward_since_spread']:.3f})")
+    return state

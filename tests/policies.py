@@ -21,17 +21,32 @@ from __future__ import annotations
 
 
 def base_policy_names() -> tuple[str, ...]:
-    """The directory names of the suite's base policies (the small test recipe's, the Qwen2-style one's)."""
+    """The directory names of the suite's base policies (the small test recipe's, the Qwen2-style one's, the
+    shipped recipes' short warm starts of their smoke test)."""
     from factory.model.sft import cached_policy_dir
     from tests.integration.conftest import qwen2_recipe, small_recipe
 
-    return tuple(cached_policy_dir(recipe).name for recipe in (small_recipe(), qwen2_recipe()))
+    names = [cached_policy_dir(recipe).name for recipe in (small_recipe(), qwen2_recipe(), *smoke_recipes())]
+    return tuple(dict.fromkeys(names))
+
+
+def smoke_recipes() -> list:
+    """The shipped recipes as tests/integration/test_shipped_recipes.py runs them (those of one policy once)."""
+    from factory.model.sft import cached_policy_dir
+    from tests.integration.test_shipped_recipes import RECIPES, smoke_recipe
+
+    recipes = {}
+    for name in RECIPES:
+        recipe = smoke_recipe(name)
+        recipes.setdefault(cached_policy_dir(recipe).name, recipe)
+    return list(recipes.values())
 
 
 # what builds the suite's policies: a change to any of it is a new digest (a build, not a copy)
 BUILD_SOURCES = ("factory/model", "factory/data", "factory/envs", "factory/recipe.py", "factory/types.py",
                  "factory/registry.py", "factory/paths.py", "recipes", "tests/policies.py",
-                 "tests/integration/conftest.py", "tests/integration/test_gsm8k_format.py")
+                 "tests/integration/conftest.py", "tests/integration/test_gsm8k_format.py",
+                 "tests/integration/test_shipped_recipes.py")
 
 
 def build_digest() -> str:
@@ -132,6 +147,8 @@ def main() -> None:
         ensure(models_dir() / forgetful_policy_key(small.name)[0],
                lambda: ensure_forgetful_policy(small, write_easy_files(Path(files)), RunProgress(0).on_sft_step))
     ensure(cached_policy_dir(qwen2_recipe()), lambda: ensure_base_policy(qwen2_recipe(), RunProgress(0).on_sft_step))
+    for recipe in smoke_recipes():  # test_shipped_recipes.py's, short warm starts of ~10 s each
+        ensure(cached_policy_dir(recipe), lambda recipe=recipe: ensure_base_policy(recipe, RunProgress(0).on_sft_step))
 
 
 if __name__ == "__main__":

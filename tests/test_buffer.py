@@ -506,3 +506,61 @@ def test_resume_restores_a_consistent_buffer(
     assert buffer.accepted == buffer.consumed
     assert buffer.state_dict()["version"] == version
     assert buffer.capacity() >= 0
+
+
+# ---- time without a reward spread ----------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def since(buffer: StalenessBuffer) -> dict[str, float]:
+    return {k.removeprefix("buffer/").removesuffix("_since_spread"): v for k, v in buffer.metrics().items()
+            if k.endswith("_since_spread")}
+
+
+def test_the_buffer_counts_groups_and_time_since_the_last_group_with_a_reward_spread():
+    clock = FakeClock()
+    buffer = StalenessBuffer(groups_per_step=4, max_staleness=0, max_inflight=100, clock=clock)
+    clock.now += 30  # the evaluation before training: the buffer's clock has not started
+    assert since(buffer) == {"groups": 0, "samples": 0, "reward": 0, "filtered": 0, "rejected": 0, "seconds": 0}
+    start_n(buffer, 4)  # training starts: the first group's start starts the clock
+    clock.now += 5
+    buffer.finish(make_group([0.0, 0.0, 0.0]))  # filtered
+    buffer.finish(make_group([1.0, 1.0, 1.0]))  # filtered
+    assert buffer.finish(None) == "failed"  # the failure gate's: not counted here
+    clock.now += 2
+    assert since(buffer) == {"groups": 2, "samples": 6, "reward": 0.5, "filtered": 2, "rejected": 0, "seconds": 7}
+    buffer.set_version(1)
+    assert buffer.finish(make_group([0.0, 1.0], versions=0)) == "rejected"  # a spread, but stale: no signal
+    assert since(buffer)["groups"] == 3 and since(buffer)["rejected"] == 1 and since(buffer)["seconds"] == 7
+    start_n(buffer, 1)
+    clock.now += 1
+    assert buffer.finish(make_group([0.0, 1.0], versions=1)) == "accepted"  # let through: the count starts again
+    clock.now += 3
+    assert since(buffer) == {"groups": 0, "samples": 0, "reward": 0, "filtered": 0, "rejected": 0, "seconds": 3}
+
+
+def test_without_the_filter_groups_of_equal_rewards_are_trained_and_still_count_as_no_spread():
+    clock = FakeClock()
+    buffer = StalenessBuffer(groups_per_step=2, max_staleness=0, max_inflight=100, filter_zero_variance=False,
+                             clock=clock)
+    start_n(buffer, 2)
+    assert buffer.finish(make_group([0.0, 0.0])) == "accepted"
+    assert buffer.finish(make_group([0.5, 0.5])) == "accepted"
+    clock.now += 9
+    assert since(buffer) == {"groups": 2, "samples": 4, "reward": 0.25, "filtered": 0, "rejected": 0, "seconds": 9}
+    buffer.take_batch()
+    buffer.set_version(1)
+    start_n(buffer, 1)
+    # a spread among the fresh samples only counts: this group's stale one is dropped, the rest are equal
+    assert buffer.finish(make_group([1.0, 0.0, 0.0], versions=[0, 1, 1])) == "accepted"
+    assert since(buffer)["groups"] == 3
+    start_n(buffer, 1)
+    assert buffer.finish(make_group([1.0, 0.0], versions=1)) == "accepted"
+    assert since(buffer)["groups"] == 0

@@ -4,7 +4,8 @@ as the run will, and say what is wrong with it in one line each, or what it hold
 What it catches that validating the recipe cannot (it needs reasoning-gym, or the files): a family
 name reasoning-gym does not know, a family config it refuses, a family that cannot give its share of
 `data.heldout_size` distinct questions or has none left to train on, and every file source problem
-(`factory.data.sources`: a missing file or column, an empty split, a duplicate id, a bad row).
+(`factory.data.sources`: a missing file or column, an empty split, a duplicate id, a bad row), and
+prompts longer than the engines' context leaves them (`factory.data.lengths`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from factory.data.lengths import check_tokenizer, measure, prompt_function
 from factory.data.tasks import LOCAL_FAMILIES, ReasoningGymSource, dataset_fingerprint
 
 
@@ -105,22 +107,33 @@ def check_data(recipe) -> DataCheck:
         short = "" if trained[name] >= asked or name in LOCAL_FAMILIES else f" (of {asked} asked: it holds no more)"
         out.lines.append(f"  {name} (reasoning-gym)" if name not in LOCAL_FAMILIES else f"  {name}")
         out.lines[-1] += f": {trained[name]} train{short}, {held[name]} heldout"
-    prompt = _prompt_function(recipe)
+    prompt, _ = prompt_function(recipe)
     if source.families:
         first = next(t for t in train if t.family == source.families[0].name)
         out.lines.append(f"    sample prompt ({first.task_id}): {render_prompt(prompt(first))}")
     for f in source.files:
         out.lines.append(f"  {f.describe()}")
         out.lines.append(f"    sample prompt ({f.train[0].task_id}): {render_prompt(prompt(f.train[0]))}")
+    out.problems += prompt_length_lines(recipe, source, out.lines)
     return out
 
 
-def _prompt_function(recipe):
-    """The environment's `prompt_messages` (what the gateway sends, system prompt included), or the
-    task's own messages where the environment cannot be made here."""
-    from factory.envs.base import make_environment, task_messages
-
+def prompt_length_lines(recipe, source, lines: list[str]) -> list[str]:
+    """The prompts' token lengths against the engines' context (`factory.data.lengths`), added to `lines`;
+    returns the problem line where some are longer and `data.overlong` is error."""
     try:
-        return make_environment(recipe.environment).prompt_messages
-    except Exception:  # an environment of the user's own may need its run's processes
-        return lambda task: task_messages(task)
+        tokenizer = check_tokenizer(recipe, source)
+    except Exception as err:  # noqa: BLE001  (a model.path without a tokenizer: the machine check names it)
+        lines.append(f"  prompt tokens: not measured (no tokenizer: {type(err).__name__})")
+        return []
+    lengths = measure(recipe, tokenizer, [*source.train, *source.heldout])
+    lines.append(f"  {lengths.summary()}")
+    over, mode = len(lengths.overlong), recipe.data.overlong
+    if not over:
+        return []
+    if mode == "error":
+        return [lengths.error()]
+    fate = "dropped" if mode == "drop" else "cut to fit (the start of their user message)"
+    lines.append(f"  {over} of {len(lengths.tasks)} prompts are longer than {lengths.limit} tokens: {fate} at the "
+                 f"run's start (data.overlong={mode})")
+    return []

@@ -100,7 +100,7 @@ def version_order_violations(samples: pa.Table, run_id: str | None = None, limit
 
 def status_violations(samples: pa.Table, run_id: str | None = None, limit: int = 5) -> CheckResult:
     """Rows whose fate does not add up: an unknown status; a trained row without its step or version;
-    a row of another status claiming a trained step; a failed row without its error. (A row with no
+    a row of another status claiming a trained step; a failed or dropped row without its error. (A row with no
     status predates the column: a trained sample.)"""
     known = ", ".join(f"'{s}'" for s in SAMPLE_STATUSES)
     body = f"""
@@ -108,7 +108,7 @@ def status_violations(samples: pa.Table, run_id: str | None = None, limit: int =
         WHERE (status IS NOT NULL AND status NOT IN ({known}))
            OR (coalesce(status, 'trained') = 'trained' AND (trained_step IS NULL OR trained_version IS NULL))
            OR (status <> 'trained' AND trained_step IS NOT NULL)
-           OR (status = 'failed' AND (error IS NULL OR error = ''))
+           OR (status IN ('failed', 'dropped') AND (error IS NULL OR error = ''))
         ORDER BY sample_id
     """
     count, examples = _query(samples, run_id, body, [], limit)

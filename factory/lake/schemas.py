@@ -16,7 +16,9 @@ aligned: element i of each describes completion token i (see `factory.types.Samp
 `samples.status` is each generated sample's fate (`SAMPLE_STATUSES`): `trained` (exactly once, with
 `trained_step`), `filtered` (its group had no reward variance), `rejected` (too stale, or its group
 was left too small), `unused` (queued when the run ended), `failed` (its group raised: one row per
-group with `error`, no tokens) and `evaluation` (a held-out episode; `info.suite`, `info.tag`).
+group with `error`, no tokens), `evaluation` (a held-out episode; `info.suite`, `info.tag`) and `dropped`
+(a task left out at the run's start, its prompt longer than the engines' context: `data.overlong: drop`;
+one row per task at step 0 with `error`, no tokens).
 `batch_position` is a trained sample's index in its step's batch (the order the trainer saw).
 `step` is the optimizer step at which the row was recorded (= `trained_step` for trained rows): a
 resumed run deletes its rows beyond the checkpoint by it. Rows written before `status` existed have
@@ -146,7 +148,7 @@ _SAMPLES = _schema([
     ("prompt_text", _S, False), ("completion_text", _S, False), ("support", ("list", ("list", _I)), False),
     ("teacher_logprobs", ("list", _F), False), ("batch_position", _I, False),
 ])
-SAMPLE_STATUSES = ("trained", "filtered", "rejected", "unused", "failed", "evaluation")
+SAMPLE_STATUSES = ("trained", "filtered", "rejected", "unused", "failed", "evaluation", "dropped")
 _STEPS = _schema([
     ("run_id", _S, True), ("step", _I, True), ("metrics", ("map", _S, _D), False), ("time", _T, False),
 ])

@@ -663,3 +663,9 @@ def failed_row(run_id: str, group_id: str, task_id: str, env: str, error: str, s
     """The one `samples` row of a group whose episode raised: no tokens, the error's first line."""
     return {"run_id": run_id, "sample_id": f"{group_id}-failed", "group_id": group_id, "task_id": task_id,
             "env": env, "status": "failed", "step": step, "error": error}
+
+
+def dropped_row(run_id: str, task_id: str, env: str, error: str) -> dict[str, Any]:
+    """The one `samples` row of a task left out at the run's start (`data.overlong: drop`): step 0, no tokens."""
+    return {"run_id": run_id, "sample_id": f"dropped-{task_id}", "task_id": task_id, "env": env, "status": "dropped",
+            "step": 0, "error": error}

@@ -21,19 +21,26 @@ from factory.paths import exclusive, models_dir
 STOP_WINDOW = 50  # updates whose mean loss model.sft_stop_loss is compared with
 
 
-def policy_fingerprint(recipe) -> str:
-    """Everything the base policy depends on: the model and data sections and the environment prompt."""
+def policy_key(recipe) -> dict:
+    """Everything the base policy depends on: the model and data sections and the environment prompt
+    (kept beside each new policy as key.json, so the next build can say what changed)."""
     model = recipe.model.model_dump(mode="json")
     for name in ("architecture", "num_kv_heads", "sft_stop_loss"):  # added later: at their defaults, cached Llamas keep their key
         if model[name] == type(recipe.model).model_fields[name].default:
             del model[name]
     key = {
         "model": model,
-        "data": recipe.data.model_dump(mode="json"),
+        # data.overlong decides which tasks a run keeps, not what the warm start trains on
+        "data": {k: v for k, v in recipe.data.model_dump(mode="json").items() if k != "overlong"},
         "system_prompt": recipe.environment.system_prompt,
         "version": 3,  # bump when the warm start's procedure changes
     }
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return key
+
+
+def policy_fingerprint(recipe) -> str:
+    """The cache key of `recipe`'s base policy: a digest of `policy_key`."""
+    return hashlib.sha256(json.dumps(policy_key(recipe), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def sft_examples(tokenizer, env, tasks) -> list[tuple[list[int], list[int]]]:
@@ -156,6 +163,82 @@ def cached_policy_dir(recipe) -> Path:
     return models_dir() / f"tiny-{'' if arch == 'llama' else arch + '-'}{policy_fingerprint(recipe)}"
 
 
+SFT_SECONDS_PER_STEP = 0.25  # a build's seconds per warm-start update, setup included: the suite's Llama, 2 cores
+KEY_FIELDS = {"system_prompt": "environment.system_prompt", "version": "the warm start's procedure (its version)"}
+
+
+def key_differences(key: dict, other: dict) -> list[str]:
+    """The recipe fields, dotted, whose values differ between two `policy_key`s (a field one key
+    lacks differs: a key leaves out some fields at their defaults)."""
+    def flat(value, path: str) -> dict[str, object]:
+        if isinstance(value, dict) and value:
+            items = [(f"{path}.{name}" if path else name, item) for name, item in value.items()]
+        elif isinstance(value, list) and value:
+            items = [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+        else:
+            return {path: value}
+        return {k: v for sub, item in items for k, v in flat(item, sub).items()}
+
+    a, b = flat(key, ""), flat(other, "")
+    missing = object()
+    changed = [k for k in sorted(a.keys() | b.keys()) if a.get(k, missing) != b.get(k, missing)]
+    return [KEY_FIELDS.get(k, k) for k in changed]
+
+
+def cached_policies(architecture: str) -> list[tuple[Path, dict, dict | None]]:
+    """The built warm starts of `architecture` in the state dir: (dir, its sft.json, its key.json or None)."""
+    out = []
+    for path in sorted(models_dir().glob("tiny-*")):
+        try:
+            meta = json.loads((path / "sft.json").read_text())
+            key = json.loads((path / "key.json").read_text()) if (path / "key.json").is_file() else None
+        except (OSError, ValueError):  # not a built policy (a lock, a build under way)
+            continue
+        if "fingerprint" in meta and meta.get("architecture", "llama") == architecture:  # not a policy built on one
+            out.append((path, meta, key))
+    return out
+
+
+def base_policy_plan(recipe) -> str:
+    """The line before the base policy is made ready: where it comes from, or that a new warm start is
+    built, why (the fields that differ from the nearest cached policy of the architecture) and about how
+    long it takes (that policy's seconds per update, else the median of the cached ones', else
+    SFT_SECONDS_PER_STEP, times `model.sft_steps`)."""
+    if recipe.model.path:
+        return f"base policy (model.path: {recipe.model.path})"
+    built = base_policy_path(recipe)
+    if built is not None:
+        return f"base policy (cached: {built.name})"
+    arch = recipe.model.architecture
+    cached = cached_policies(arch)
+    key = policy_key(recipe)
+    keyed = [(key_differences(key, other), path, meta) for path, meta, other in cached if other is not None]
+    if keyed:
+        fields, nearest, meta = min(keyed, key=lambda k: (len(k[0]), k[1].name))
+        why = f"{', '.join(fields)} differ{'s' if len(fields) == 1 else ''} from the cached policy {nearest.name}"
+        rates = [_seconds_per_step(meta)]
+    else:
+        why = f"no cached policy of this architecture ({arch})"
+        if cached:
+            why += f" holds a key.json to compare with ({len(cached)} cached)"
+        rates = [_seconds_per_step(meta) for _, meta, _ in cached]
+    known = sorted(r for r in rates if r)
+    rate = known[len(known) // 2] if known else SFT_SECONDS_PER_STEP
+    steps = recipe.model.sft_steps
+    sooner = ", model.sft_stop_loss may end it sooner" if recipe.model.sft_stop_loss is not None else ""
+    return (f"base policy: building a new SFT warm start into {cached_policy_dir(recipe).name} ({why}); "
+            f"model.sft_steps={steps} at ~{rate:.2f} s each: about {_duration(steps * rate)}{sooner}")
+
+
+def _seconds_per_step(meta: dict) -> float | None:
+    steps = meta.get("sft_steps_run") or meta.get("sft_steps")
+    return meta["seconds"] / steps if steps and meta.get("seconds") else None
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
 def ensure_base_policy(recipe, progress=None) -> Path:
     """The warm-started policy for `recipe`, built once and cached under the state dir.
 
@@ -228,4 +311,5 @@ def _build_base_policy(recipe, tmp: Path, progress) -> None:
         "parameters": sum(p.numel() for p in model.parameters()),
         "seconds": time.time() - t0,
     }
+    (tmp / "key.json").write_text(json.dumps(policy_key(recipe), indent=1, sort_keys=True))
     (tmp / "sft.json").write_text(json.dumps(meta))

@@ -47,6 +47,16 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+def encode_chats(tokenizer, conversations: list[list[dict]], tools: list | None = None) -> list[list[int]]:
+    """`encode_chat` of many conversations at once (their prompts: a generation prompt added): one
+    template call and one batch encode, ~1 s for 9,000 tasks where one call each takes several."""
+    if not conversations:
+        return []
+    texts = tokenizer.apply_chat_template(conversations, tools=tools or None, add_generation_prompt=True,
+                                          tokenize=False)
+    return tokenizer(texts, add_special_tokens=False).input_ids
+
+
 def _known_end(tokenizer, text: str) -> int:
     """Where the ids known for a conversation ending in a reply stop in its rendered `text`: just past
     the reply's end token, which is where sampling stopped. A template may write more after it (ChatML's

@@ -127,7 +127,8 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[tuple
             obj = json.loads(match.group(1))
         except ValueError:
             return text, []
-        if not isinstance(obj, dict) or obj.get("name") not in names:
+        # a sampled name may be any JSON (a list, an object: an untrained policy writes such): only a string names a tool
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
             return text, []
         arguments = _call_arguments(obj.get("arguments", {}))
         if not isinstance(arguments, dict):

@@ -90,6 +90,7 @@ def test_every_status_is_accepted_and_inconsistent_fates_are_found():
         sample_row("r", "f0", status="filtered", trained_step=None, trained_version=None, staleness=None),
         sample_row("r", "e0", status="evaluation", trained_step=None, trained_version=None, staleness=None),
         sample_row("r", "x0", status="failed", trained_step=None, trained_version=None, error="ValueError: boom"),
+        sample_row("r", "d0", status="dropped", trained_step=None, trained_version=None, error="prompt of 300 tokens"),
         sample_row("r", "old", status=None),  # written before statuses existed: a trained sample
     ]
     assert status_violations(_table(fine), "r").passed
@@ -98,6 +99,7 @@ def test_every_status_is_accepted_and_inconsistent_fates_are_found():
         sample_row("r", "bad2", trained_step=None),  # trained, but at no step
         sample_row("r", "bad3", status="rejected"),  # rejected, yet claims a trained step
         sample_row("r", "bad4", status="failed", trained_step=None, trained_version=None),  # no error
+        sample_row("r", "bad5", status="dropped", trained_step=None, trained_version=None),  # no error
     ]
     result = status_violations(_table(planted), "r")
-    assert result.count == 4 and [e["sample_id"] for e in result.examples] == ["bad1", "bad2", "bad3", "bad4"]
+    assert result.count == 5 and [e["sample_id"] for e in result.examples] == ["bad1", "bad2", "bad3", "bad4", "bad5"]

@@ -11,11 +11,12 @@ CORE_DIED = """\
 (EngineCore pid=4242) INFO 11-28 20:10:01 [core.py:95] Initializing a V1 LLM engine
 (EngineCore pid=4242) ERROR 11-28 20:11:07 [core.py:1080] EngineCore encountered a fatal error.
 (EngineCore pid=4242) ERROR 11-28 20:11:07 [core.py:1080] Traceback (most recent call last):
-(EngineCore pid=4242) ERROR 11-28 20:11:07 [core.py:1080]   File "vllm/v1/worker/gpu_model_runner.py", line 3502, in _bookkeeping_sync
+(EngineCore pid=4242) ERROR 11-28 20:11:07 [core.py:1080]   File "gpu_model_runner.py", line 3502, in _bookkeeping_sync
 (EngineCore pid=4242) ERROR 11-28 20:11:07 [core.py:1080]     gen.set_offset(gen.get_offset() - 4)
 (EngineCore pid=4242) ERROR 11-28 20:11:07 [core.py:1080] RuntimeError: CPU Generator does not use offset
 (APIServer pid=4200) ERROR 11-28 20:11:07 [async_llm.py:600] AsyncLLM output_handler failed.
-(APIServer pid=4200) ERROR 11-28 20:11:07 [async_llm.py:600] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.
+(APIServer pid=4200) ERROR 11-28 20:11:07 [async_llm.py:600] vllm.v1.engine.exceptions.EngineDeadError: EngineCore \
+encountered an issue. See stack trace (above) for the root cause.
 (APIServer pid=4200) INFO:     127.0.0.1:50000 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error
 """
 

@@ -41,6 +41,8 @@ def test_parse_tool_calls():
                  '<tool_call>{"name": "run_python", "arguments": [1]}</tool_call>',  # arguments not an object
                  '<tool_call>{"name": "run_python", "arguments": {}}',  # never closed (length cut-off)
                  CALL + '<tool_call>nope</tool_call>',  # all or nothing
+                 '<tool_call>{"name": {"code": "1"}, "arguments": {}}</tool_call>',  # a name that is no string
+                 '<tool_call>{"name": ["run_python"], "arguments": {}}</tool_call>',  # (a 500 before: unhashable)
                  "408"]:
         assert parse_tool_calls(text, names) == (text, [])
 
