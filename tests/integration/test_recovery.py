@@ -1,7 +1,6 @@
 """A run outlives its rollout engine and env worker: the vLLM server the run started is killed
-(SIGKILL) after one step, the env worker's process after the next, the restarted server is stopped
-(SIGSTOP, a hang) after a third, and the engine core behind the next one is killed after a fourth (its
-API server then exits); each time the supervisor restarts what died (an engine is given the
+(SIGKILL) after one step, the env worker's process after the next, and the restarted server is stopped
+(SIGSTOP, a hang) after a third; each time the supervisor restarts what died (an engine is given the
 current weights), the groups it was running are re-queued under their ids, and the run finishes with
 every group's fate recorded once. (The trainer's death: tests/integration/test_resume.py.)"""
 
@@ -33,14 +32,8 @@ def engine_server_pid(other_engines: set[int]) -> int:
     return servers[0]
 
 
-def engine_core_pid(server: int) -> int:
-    """The engine-core process behind vLLM's API server `server` (vLLM titles it VLLM::EngineCore)."""
-    (core,) = [p.pid for p in psutil.Process(server).children(recursive=True) if "EngineCore" in " ".join(p.cmdline())]
-    return core
-
-
 def test_a_killed_then_hung_engine_is_restarted_and_every_group_keeps_one_fate(ray_cluster, policy, tmp_path):
-    recipe = small_recipe(*QUICK_HEALTH, "train.steps=6", "train.checkpoint_every=0", "eval.before=false",
+    recipe = small_recipe(*QUICK_HEALTH, "train.steps=5", "train.checkpoint_every=0", "eval.before=false",
                           "eval.after=false")
     faults: list[tuple[int, str, int]] = []
     others = set(actor_pids("EngineActor"))
@@ -58,23 +51,18 @@ def test_a_killed_then_hung_engine_is_restarted_and_every_group_keeps_one_fate(r
             pid = engine_server_pid(others)
             os.kill(pid, signal.SIGSTOP)  # a hang: the process lives but never answers
             faults.append((3, "SIGSTOP", pid))
-        elif report.step == 4:
-            server = engine_server_pid(others)
-            pid = engine_core_pid(server)
-            os.kill(pid, signal.SIGKILL)  # the core dies (an engine core that raises: tests/rollout/test_engine_death.py)
-            faults.append((4, "SIGKILL core", server))
 
     results = run(recipe, tmp_path, on_step=inject)
 
-    assert [f[:2] for f in faults] == [(1, "SIGKILL"), (2, "SIGKILL worker"), (3, "SIGSTOP"), (4, "SIGKILL core")]
-    assert len({faults[0][2], faults[2][2], faults[3][2]}) == 3  # each fault hit the server restarted after the last
-    assert results["restarts"] == {"engine": 3, "worker": 1, "scorer": 0, "sync": 0}
+    assert [f[:2] for f in faults] == [(1, "SIGKILL"), (2, "SIGKILL worker"), (3, "SIGSTOP")]
+    assert faults[0][2] != faults[2][2]  # the hang hit the restarted server
+    assert results["restarts"] == {"engine": 2, "worker": 1, "scorer": 0, "sync": 0}
     assert not psutil.pid_exists(faults[2][2]) or psutil.Process(faults[2][2]).status() == psutil.STATUS_ZOMBIE
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
-    assert metrics[-1]["rollout/engine_restarts"] == 3 and metrics[-1]["env/worker_restarts"] == 1
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert metrics[-1]["rollout/engine_restarts"] == 2 and metrics[-1]["env/worker_restarts"] == 1
     # the restarted engine serves the trainer's weights: steps after a restart train on its samples
-    assert results["engine_versions"] == [6] and results["samples_trained"] > 0
+    assert results["engine_versions"] == [5] and results["samples_trained"] > 0
     # groups cut short were re-queued, not failed; each group has one fate, each sample one row
     assert results["buffer"]["buffer/failed"] == 0
     rows = sql(f"SELECT sample_id, group_id, status FROM samples WHERE run_id = '{tmp_path.name}'").to_pylist()
@@ -85,4 +73,4 @@ def test_a_killed_then_hung_engine_is_restarted_and_every_group_keeps_one_fate(r
         per_group.setdefault(r["group_id"], set()).add(r["sample_id"])
     assert all(len(s) == recipe.rollout.group_size for s in per_group.values()), per_group
     assert {r["status"] for r in rows} <= {"trained", "filtered", "rejected", "unused"}
-    assert all((tmp_path / f"engine-0.restart-{n}.log").is_file() for n in (1, 2, 3))
+    assert (tmp_path / "engine-0.restart-1.log").is_file() and (tmp_path / "engine-0.restart-2.log").is_file()
