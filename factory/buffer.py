@@ -217,7 +217,7 @@ class StalenessBuffer:
             return REJECTED
         self._queue.append(fresh)
         self.accepted += 1
-        if len({s.reward for s in fresh.samples}) > 1:
+        if _spread(fresh.samples):
             self.since_spread = SinceSpread(at=self.clock())
         else:  # the filter is off: trained, with advantage 0
             self.since_spread.add(group, ACCEPTED)
@@ -260,7 +260,7 @@ class StalenessBuffer:
         return staleness is not None and staleness <= self.max_staleness
 
     def _no_reward_variance(self, samples: list[Sample]) -> bool:
-        return self.filter_zero_variance and len({s.reward for s in samples}) <= 1
+        return self.filter_zero_variance and not _spread(samples)
 
     def _fresh_or_none(self, group: Group) -> Group | None:
         """The group without its stale samples, or None if what remains cannot be trained on.
@@ -353,6 +353,11 @@ class StalenessBuffer:
         self._let_through = deque((bool(x) for x in state.get("let_through", [])), maxlen=ACCEPTANCE_WINDOW)
         self.running = 0
         self.accepted = self.consumed + len(self._queue)
+
+
+def _spread(samples) -> bool:
+    """Rewards not all equal: the only groups whose advantages are not all 0."""
+    return len({s.reward for s in samples}) > 1
 
 
 @dataclasses.dataclass

@@ -85,15 +85,14 @@ def measure(recipe, tokenizer, tasks: list[Task]) -> PromptLengths:
 def check_tokenizer(recipe, source):
     """The tokenizer a run of `recipe` will use: model.path's, the cached warm start's, or (not built
     yet) the one its warm start will build, on the same texts (`factory.model.sft._build_base_policy`)."""
-    from factory.model.sft import base_policy_path
+    from factory.model.sft import base_policy_path, tokenizer_texts
     from factory.model.tiny import build_tokenizer
 
     policy = base_policy_path(recipe)
     if policy is not None:
         return load_tokenizer(policy)
     prompt, _ = prompt_function(recipe)
-    train = source.train[: recipe.model.sft_examples]
-    texts = [m["content"] for t in train for m in prompt(t)] + [t.answer for t in train]
+    texts = tokenizer_texts(prompt, source.train[: recipe.model.sft_examples])
     with tempfile.TemporaryDirectory() as tmp:
         return build_tokenizer(texts, recipe.model.bpe_vocab_size, Path(tmp), recipe.model.architecture)
 

@@ -283,6 +283,12 @@ def build_once(out: Path, build) -> Path:
     return out
 
 
+def tokenizer_texts(prompt, train) -> list[str]:
+    """What the tiny model's BPE tokenizer is trained on: the warm start's prompts (`prompt(task)`'s
+    messages) and answers."""
+    return [m["content"] for t in train for m in prompt(t)] + [t.answer for t in train]
+
+
 def _build_base_policy(recipe, tmp: Path, progress) -> None:
     """The warm start of `recipe`'s tiny model, written to `tmp` (sft.json last)."""
     import torch
@@ -295,8 +301,8 @@ def _build_base_policy(recipe, tmp: Path, progress) -> None:
     source = ReasoningGymSource.from_recipe(recipe.data)
     env = make_environment(recipe.environment)
     train = source.train[: recipe.model.sft_examples]
-    texts = [m["content"] for t in train for m in env.prompt_messages(t)] + [t.answer for t in train]
-    tokenizer = build_tokenizer(texts, recipe.model.bpe_vocab_size, tmp, recipe.model.architecture)
+    tokenizer = build_tokenizer(tokenizer_texts(env.prompt_messages, train), recipe.model.bpe_vocab_size, tmp,
+                                recipe.model.architecture)
     model = build_model(tokenizer, recipe.model, tmp)
     torch.manual_seed(recipe.model.seed)
     losses = warm_start(model, tokenizer, env, train, recipe.model, progress)
