@@ -71,7 +71,7 @@ cluster-demo: setup
 	  ; status=$$?; FACTORY_HOME=$(CLUSTER_HOME) bash infra/cluster/netns.sh down; exit $$status
 
 # The production profile's services on this machine (Postgres, s3rver, MLflow server, Ray head,
-# Dagster webserver + daemon + code server) under one supervisor; README "Production".
+# Dagster webserver + daemon + code server) under one supervisor; docs/production.md.
 production-up: setup
 	$(PY) -m infra.stack up
 
