@@ -28,7 +28,7 @@ is sampled at each partial step and its token discarded; vLLM then rewinds the r
 generator by its CUDA Philox offset (`gen.set_offset(gen.get_offset() - 4)`), which a CPU generator
 does not have: the engine core died with "CPU Generator does not use offset". Here the state of each
 such CPU generator is kept before sampling and put back instead, so a chunked request draws exactly
-what an unchunked one does (tests/rollout/test_real_shapes.py compares the two).
+what an unchunked one does (tests/rollout/test_seeded_rewind.py; tests/integration/test_real_shapes.py on a real server).
 
 transformers, as vLLM imports it, is told that scikit-learn and scipy are absent
 (factory/lean_imports.py): ~1 s of every server's start, on its critical path.
