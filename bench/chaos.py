@@ -218,6 +218,18 @@ def read_lake(query: str, timeout_s: float = 120) -> list[dict]:
             time.sleep(2)
 
 
+def lake_fates(run_id: str, recipe_name: str) -> dict[str, int]:
+    """What the lake holds of run `run_id`: its groups, the group ids the buffer handed out
+    (`<recipe>-g0000000` on, gap-free) that have no row (lost), its samples and those with more than
+    one row (duplicated)."""
+    rows = read_lake(f"SELECT group_id, sample_id FROM samples WHERE run_id = '{run_id}' AND status <> 'evaluation'")
+    prefix = f"{recipe_name}-g"
+    indices = sorted({int(r["group_id"][len(prefix):]) for r in rows if r["group_id"].startswith(prefix)})
+    ids = [r["sample_id"] for r in rows]
+    return {"groups": len(indices), "lost_groups": (indices[-1] + 1 - len(indices)) if indices else 0,
+            "samples": len(ids), "duplicated_samples": len(ids) - len(set(ids))}
+
+
 def one_run(recipe, run_dir: Path, faults: list[tuple[int, float, str]], root: int,
             stack: ProductionStack | None) -> dict:
     """Run `recipe` with `faults` = [(after step, delay s, kind)]; `root`: the pid whose descendants
@@ -293,18 +305,11 @@ def one_run(recipe, run_dir: Path, faults: list[tuple[int, float, str]], root: i
     for f in injected:  # recovered: the next step, and for a service also the service answering again
         parts = [f.get("step_s"), *([f["service_back_s"]] if "service_back_s" in f else [])]
         f["recovered_s"] = max(parts) if "t" in f and None not in parts else None
-    rows = read_lake(f"SELECT group_id, sample_id FROM samples WHERE run_id = '{run_dir.name}' "
-                     "AND status <> 'evaluation'")
-    prefix = f"{recipe.name}-g"
-    indices = sorted({int(r["group_id"][len(prefix):]) for r in rows if r["group_id"].startswith(prefix)})
-    lost = (indices[-1] + 1 - len(indices)) if indices else 0
-    ids = [r["sample_id"] for r in rows]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()] \
         if (run_dir / "metrics.jsonl").exists() else []
     steps = [m["step"] for m in metrics]
     out = {"finished": error is None, "error": error, "seconds": time.monotonic() - t0, "faults": injected,
-           "groups": len(indices), "lost_groups": lost, "samples": len(ids),
-           "duplicated_samples": len(ids) - len(set(ids)), "steps_redone": len(steps) - len(set(steps)),
+           **lake_fates(run_dir.name, recipe.name), "steps_redone": len(steps) - len(set(steps)),
            "restarts": {**results.get("restarts", {}), "trainer": results.get("trainer_restarts", 0)}}
     if stack is not None:
         want = set(range(1, recipe.train.steps + 1))
@@ -397,8 +402,11 @@ def main() -> None:
     print(f"| {total['finished']}/{total['runs']} | {total['faults_injected']} | {total['lost_groups']} | "
           f"{total['duplicated_samples']} | {total['steps_redone']} | {p50 and round(p50, 1)} | {p99 and round(p99, 1)} |")
     print(json.dumps(total["by_kind"]))
+    before = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {}
     write_results(args.out, {"args": {**vars(args), "stack_dir": args.stack_dir and str(args.stack_dir)},
-                             "total": total, "runs": runs})
+                             "total": total, "runs": runs,
+                             # bench/partitions.py's runs on the two-node cluster, kept beside these
+                             **({"partitions": before["partitions"]} if "partitions" in before else {})})
 
 
 if __name__ == "__main__":

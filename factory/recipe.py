@@ -613,6 +613,10 @@ class DeadlinesSection(Section):
     engine_call_s: float = Field(300, gt=0, description="one generation request to an engine (its episode fails)")
     train_step_s: float = Field(600, gt=0, description="one trainer step (also a checkpoint save, a scoring pass)")
     evaluation_s: float = Field(1800, gt=0, description="one held-out evaluation")
+    partition_s: float = Field(
+        120, gt=0, description="one role unreachable from another (a network partition, a node's network "
+        "restart; Ray says the actor is unavailable, not dead): calls are retried, running groups keep their "
+        "leases; longer, the role counts as lost (restarted where it can be, its groups re-queued)")
     service_outage_s: float = Field(
         300, gt=0, description="one outage of the lake's catalog or object store or of MLflow: writes are retried "
         "and queued (then spilled to the run dir) while training goes on; longer stops the run")

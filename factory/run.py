@@ -229,7 +229,8 @@ def _start(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Path, tra
     # the scoring phase: a teacher grading every trained token (on-policy distillation), if any
     scorer = _scorer_actor(recipe) if recipe.algorithm.distill.teacher else None
     buffer = placed(BufferActor, where.buffer).remote(recipe.name, train_tasks, recipe.async_, recipe.train,
-                                                      recipe.algorithm, recipe.failures, record.keeps_all_samples)
+                                                      recipe.algorithm, recipe.failures, record.keeps_all_samples,
+                                                      recipe.deadlines.partition_s)
     created.extend(x for x in (scorer, buffer) if x is not None)
     if record.keeps_all_samples:  # a failing run still records what it generated (failed groups too)
         created.before_kill.append(lambda: record.log_discarded(

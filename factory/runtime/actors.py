@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from factory.outage import first_line
 from factory.paths import cache_dir
 from factory.runtime.transfer import DirBundle, local_dir, node_ip
 from factory.types import Batch, Group, Task
@@ -315,7 +316,8 @@ class BufferActor(Placed):
     """The staleness gate plus the task sampler: hands out admission tickets and batches."""
 
     def __init__(self, run_id: str, tasks: list[Task], async_: AsyncSection, train: TrainSection,
-                 algorithm: AlgorithmSection, failures: FailuresSection, keep_discarded: bool = False):
+                 algorithm: AlgorithmSection, failures: FailuresSection, keep_discarded: bool = False,
+                 lease_s: float = float("inf")):
         from factory.buffer import StalenessBuffer
         from factory.data.tasks import TaskSampler
         from factory.failures import FailureGate
@@ -334,6 +336,13 @@ class BufferActor(Placed):
         self.next_group = 0
         self.inflight: dict[str, Task] = {}  # started, not finished: group id -> task (in start order)
         self.owners: dict[str, str] = {}  # group id -> the env worker (incarnation) running it
+        # group id -> (its lease: the how-manieth hand-out of it, when the lease ends): a report or requeue
+        # that names another lease is a stale one (the group was re-queued meanwhile) and changes nothing
+        self.leases: dict[str, tuple[int, float]] = {}
+        self.handouts: dict[str, int] = {}  # group id -> times handed out (the next lease's number)
+        self.lease_s = lease_s
+        self.expired = 0
+        self._expiry: asyncio.Task | None = None
         self.retired: set[str] = set()  # env workers declared dead: a call of theirs still waiting gets nothing
         self.requeued = 0
         self.restart: collections.deque[tuple[str, Task]] = collections.deque()  # a resumed run's in-flight groups
@@ -345,22 +354,25 @@ class BufferActor(Placed):
         async with self.changed:
             self.changed.notify_all()
 
-    async def acquire(self, owner: str = "w0") -> tuple[str, Task] | None:
-        """Wait for capacity; returns (group id, task) or None once stopped. `owner`: the env worker's
+    async def acquire(self, owner: str = "w0") -> tuple[str, Task, int] | None:
+        """Wait for capacity; returns (group id, task, lease) or None once stopped. `owner`: the env worker's
         token (one per incarnation); a dead worker's call that was still waiting gets None, not a group
-        nobody would run (seen: bench/chaos.py lost one that way)."""
+        nobody would run (seen: bench/chaos.py lost one that way). `lease`: the group's report names it;
+        the lease ends `lease_s` after the hand-out or the owner's last `renew` of it, and then the group
+        goes back to the queue (its worker cannot be reached, or lost the call's answer)."""
         tickets = await self.acquire_many(owner, 1)
         return None if tickets is None else tickets[0]
 
-    async def acquire_many(self, owner: str = "w0", most: int = 1) -> list[tuple[str, Task]] | None:
+    async def acquire_many(self, owner: str = "w0", most: int = 1) -> list[tuple[str, Task, int]] | None:
         """`acquire`, but up to `most` tickets in one call: all the capacity free when it returns (a
         batch taken or a group discarded frees several slots at once; one Ray call per slot cost
         the env worker and this actor ~1 ms of CPU each)."""
+        self._watch_leases()
         async with self.changed:
             await self.changed.wait_for(lambda: self.stopped or owner in self.retired or self.buffer.capacity() > 0)
             if self.stopped or owner in self.retired:
                 return None
-            tickets: list[tuple[str, Task]] = []
+            tickets: list[tuple[str, Task, int]] = []
             while len(tickets) < max(most, 1) and self.buffer.capacity() > 0:
                 self.buffer.start()
                 if self.restart:  # groups in flight at the checkpoint go first, under their own ids
@@ -370,19 +382,56 @@ class BufferActor(Placed):
                     self.next_group += 1
                 self.inflight[group_id] = task
                 self.owners[group_id] = owner
-                tickets.append((group_id, task))
+                lease = self.handouts.get(group_id, 0)
+                self.handouts[group_id] = lease + 1
+                self.leases[group_id] = (lease, time.monotonic() + self.lease_s)
+                tickets.append((group_id, task, lease))
             return tickets
 
-    async def requeue(self, group_ids: list[str] | None = None, owner: str | None = None) -> int:
+    def renew(self, owner: str, leases: list[tuple[str, int]]) -> int:
+        """The env worker `owner` still runs these (group id, lease): each lease ends `lease_s` from now.
+        Returns how many were still its own."""
+        until, renewed = time.monotonic() + self.lease_s, 0
+        for group_id, lease in leases:
+            held = self.leases.get(group_id)
+            if held is not None and held[0] == lease and self.owners.get(group_id) == owner:
+                self.leases[group_id] = (lease, until)
+                renewed += 1
+        return renewed
+
+    def _current(self, group_id: str, lease: int | None) -> bool:
+        """Whether a report or requeue of `group_id` under `lease` (None: any) is about its running hand-out."""
+        held = self.leases.get(group_id)
+        return group_id in self.inflight and (lease is None or held is None or held[0] == lease)
+
+    def _watch_leases(self) -> None:
+        if self._expiry is None and self.lease_s != float("inf"):
+            self._expiry = asyncio.get_running_loop().create_task(self._expire_leases())
+
+    async def _expire_leases(self) -> None:
+        """Re-queue each running group whose lease ended: its worker has not renewed it for `lease_s`
+        (a partition longer than that, or a hand-out whose answer never reached the worker)."""
+        while not self.stopped:
+            await asyncio.sleep(min(1.0, self.lease_s / 4))
+            now = time.monotonic()
+            ended = [g for g, (_, until) in self.leases.items() if until < now and g in self.inflight]
+            if ended:
+                self.expired += await self.requeue(ended)
+
+    async def requeue(self, group_ids: list[str] | None = None, owner: str | None = None,
+                      leases: list[int] | None = None) -> int:
         """Put running groups back at the head of the queue under their own ids, their slots released and
-        no fate recorded: the groups `group_ids` (cut short by a lost engine), or every group the env
+        no fate recorded: the groups `group_ids` (cut short by a lost engine; `leases`: under these leases
+        only, so a worker's late call cannot take back a group handed out again), or every group the env
         worker `owner` ran (it died; it gets no group from now on). Returns how many."""
         if owner is not None:
             self.retired.add(owner)
         ids = group_ids if group_ids is not None else [g for g, o in self.owners.items() if o == owner]
-        back = [(g, self.inflight.pop(g)) for g in ids if g in self.inflight]
+        named = leases if leases is not None and group_ids is not None else [None] * len(ids)
+        back = [(g, self.inflight.pop(g)) for g, lease in zip(ids, named) if self._current(g, lease)]
         for g, _ in back:
             self.owners.pop(g, None)
+            self.leases.pop(g, None)
             self.buffer.release()
         self.restart.extendleft(reversed(back))
         self.requeued += len(back)
@@ -390,9 +439,10 @@ class BufferActor(Placed):
         return len(back)
 
     async def finish(self, group: Group | None, seconds: float | None = None, failure=None,
-                     group_id: str | None = None) -> str:
-        """`failure`: the EpisodeFailure of the group `group_id` that raised (group None)."""
-        status = self._finish(group, seconds, failure, group_id)
+                     group_id: str | None = None, lease: int | None = None) -> str:
+        """`failure`: the EpisodeFailure of the group `group_id` that raised (group None). `lease`: the
+        hand-out reported on (None: whichever runs); a report on an earlier one is "requeued" and ignored."""
+        status = self._finish(group, seconds, failure, group_id, lease)
         await self._notify()
         return status
 
@@ -402,15 +452,19 @@ class BufferActor(Placed):
         await self._notify()
         return statuses
 
-    def _finish(self, group: Group | None, seconds: float | None, failure, group_id: str | None) -> str:
-        if group is not None and seconds is not None:
-            self.predictor.observe(group.task, seconds)
+    def _finish(self, group: Group | None, seconds: float | None, failure, group_id: str | None,
+                lease: int | None = None) -> str:
         key = group.group_id if group is not None else group_id
         if key is not None:
-            if key not in self.inflight:  # re-queued meanwhile (its worker was declared dead): not twice
+            # re-queued meanwhile (its worker was declared dead, its lease ended), maybe handed out again:
+            # this report is stale, and the group keeps one fate
+            if not self._current(key, lease):
                 return "requeued"
             self.inflight.pop(key, None)
             self.owners.pop(key, None)
+            self.leases.pop(key, None)
+        if group is not None and seconds is not None:
+            self.predictor.observe(group.task, seconds)
         status = self.buffer.finish(group)
         if group is None and failure is not None and self.buffer.keep_discarded:
             self.failed_groups.append((group_id or "unknown", failure))
@@ -476,7 +530,7 @@ class BufferActor(Placed):
 
     def metrics(self) -> dict[str, float]:
         return {**self.buffer.metrics(), "buffer/failed_in_a_row": float(self.gate.in_a_row),
-                "buffer/requeued_groups": float(self.requeued)}
+                "buffer/requeued_groups": float(self.requeued), "buffer/expired_leases": float(self.expired)}
 
 
 # an env worker's Ray calls to the buffer: finished groups gathered for this long travel as one call;
@@ -517,8 +571,12 @@ class EnvWorkerActor(Placed):
         sampling = {"temperature": rollout.temperature, "max_tokens": rollout.max_new_tokens}
         self.runner = EpisodeRunner(self.gateway, self.env, sampling, rollout.group_size, environment.direct)
         self.buffer = buffer
+        self.partition_s = deadlines.partition_s
+        self.lease_every_s = min(5.0, deadlines.partition_s / 4)  # the buffer's leases last partition_s
         self.producing = False
         self.tasks: set[asyncio.Task] = set()
+        self.running: dict[str, int] = {}  # group id -> its lease, while this worker runs it (renewed)
+        self._renewing: asyncio.Task | None = None
         from factory.rollout.engine import Batcher
 
         # groups that finish within a few ms of each other (one engine answer ends many episodes) reach
@@ -532,7 +590,27 @@ class EnvWorkerActor(Placed):
     async def start(self) -> int:
         return await self.gateway.serve()
 
-    async def _group(self, group_id: str, task: Task) -> None:
+    async def _buffer_call(self, method, *args, what: str):
+        """A call to the buffer, tried again while it cannot be reached (a partition) for up to
+        `deadlines.partition_s` (factory/runtime/transient.py)."""
+        from factory.runtime.transient import acall
+
+        return await acall(method, *args, partition_s=self.partition_s, what=f"the buffer ({what})",
+                           on_retry=self.failures.logger.warning)
+
+    async def _group(self, group_id: str, task: Task, lease: int = 0) -> None:
+        """Run one group and report it; whatever happens, the buffer learns its fate or takes it back (a
+        report it never gets ends its lease, and the group runs again)."""
+        self.running[group_id] = lease
+        try:
+            await self._run_and_report(group_id, task, lease)
+        except Exception as err:  # noqa: BLE001  (the buffer unreachable past deadlines.partition_s, or gone)
+            self.failures.logger.warning("group %s: its report did not reach the buffer (%s); its lease ends and it "
+                                      "runs again", group_id, first_line(err))
+        finally:
+            self.running.pop(group_id, None)
+
+    async def _run_and_report(self, group_id: str, task: Task, lease: int) -> None:
         from factory.failures import EpisodeFailure
 
         t0 = time.perf_counter()
@@ -542,18 +620,29 @@ class EnvWorkerActor(Placed):
             group = await self.runner.run_group(task, group_id)
         except Exception as err:  # the environment's, its reward's or its sandbox's: logged, then counted
             if self.engine_losses() != losses and self.producing:  # an engine died under it: not its fault
-                await self.buffer.requeue.remote([group_id])
+                await self._buffer_call(self.buffer.requeue, [group_id], None, [lease], what="requeue")
                 return
             group, failure = None, EpisodeFailure.of(self.env.name, task.task_id, err)
             if self.producing:  # not the groups cut short when the run stops
                 self.failures.record(failure)
         reported = asyncio.get_running_loop().create_future()
-        self.reports.add(((group, time.perf_counter() - t0, failure, group_id), reported))
+        self.reports.add(((group, time.perf_counter() - t0, failure, group_id, lease), reported))
         await reported
+
+    async def _renew(self) -> None:
+        """Every few seconds: the buffer learns that this worker still runs its groups (their leases)."""
+        while self.producing:
+            await asyncio.sleep(self.lease_every_s)
+            if self.running:
+                try:
+                    await self._buffer_call(self.buffer.renew, self.owner, list(self.running.items()), what="renew")
+                except Exception as err:  # noqa: BLE001  (unreachable past the deadline: the leases end there)
+                    self.failures.logger.warning("renewing the leases of %d groups failed: %s", len(self.running),
+                                              first_line(err))
 
     async def _report(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
         try:
-            statuses = await self.buffer.finish_many.remote([report for report, _ in batch])
+            statuses = await self._buffer_call(self.buffer.finish_many, [report for report, _ in batch], what="report")
         except Exception as err:  # noqa: BLE001  (each group's task raises it, as its own call would)
             statuses = [err] * len(batch)
         for (_, future), status in zip(batch, statuses):
@@ -567,9 +656,17 @@ class EnvWorkerActor(Placed):
     async def produce(self) -> None:
         """Start groups whenever the buffer admits them (as many as it has room for, per call), until
         `stop_producing`."""
+        from factory.runtime.transient import Unreachable
+
         self.producing = True
+        if self._renewing is None or self._renewing.done():
+            self._renewing = asyncio.create_task(self._renew())
         while self.producing:
-            tickets = await self.buffer.acquire_many.remote(self.owner, ACQUIRE_MOST)
+            try:
+                tickets = await self._buffer_call(self.buffer.acquire_many, self.owner, ACQUIRE_MOST, what="acquire")
+            except Unreachable as err:  # the run's driver decides whether the buffer is gone; keep asking
+                self.failures.logger.warning("%s", err)
+                continue
             if tickets is None:
                 break
             for ticket in tickets:

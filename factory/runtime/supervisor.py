@@ -34,9 +34,11 @@ import ray
 
 from factory.failures import RunFailure
 from factory.outage import first_line
+from factory.runtime.transient import backoff, transient
 from factory.runtime.weights import connect_broadcast, publish_weights
 
 log = logging.getLogger("factory.supervisor")
+_ROLE = {"engine": "rollout engine", "worker": "env worker"}
 
 
 class ActorLost(RunFailure):
@@ -73,6 +75,8 @@ class Supervisor:
         self._misses = [0] * n
         self._generation = [0] * n  # bumped on each replacement: a probe of the old one is ignored
         self._not_before = [time.monotonic() + self.health.first_wait_s] * n
+        self._unreachable: dict[tuple[str, int], float] = {}  # (role, i) -> since when its actor has not answered
+        self.homes: dict[tuple[str, int], str] = {}  # (role, i) -> its node's address, as started
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -81,6 +85,7 @@ class Supervisor:
     def start(self, producing: list) -> None:
         """Start probing; `producing`: the env workers' `produce` refs (replaced with a worker)."""
         self.producing = producing
+        self._note_homes()
         self._thread = threading.Thread(target=self._watch, name="factory-supervisor", daemon=True)
         self._thread.start()
 
@@ -107,10 +112,13 @@ class Supervisor:
                 generation = self._generation[i]
             try:
                 result = ray.get(engine.health.remote(timeout), timeout=timeout + 5)
-            except ray.exceptions.GetTimeoutError:
-                result = (False, "its actor did not answer the probe")
-            except ray.exceptions.RayActorError as err:
-                result = (True, f"its actor died ({type(err).__name__})")
+                self._reached("engine", i)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as err:
+                # its actor itself not answering (the server's own hang is answered by the actor): a
+                # partition, or a node's network restart, until deadlines.partition_s says lost
+                result = self._unanswered("engine", i, err)
+                if result is None:
+                    continue
             with self._lock:
                 if generation != self._generation[i] or self._stop.is_set():
                     continue
@@ -127,13 +135,82 @@ class Supervisor:
         for i, worker in enumerate(list(self.a.workers)):
             try:
                 ray.get(worker.pid.remote(), timeout=self.health.timeout_s + 5)
-            except ray.exceptions.RayActorError as err:
-                with self._lock:
-                    if worker is self.a.workers[i] and i not in self._replacing and not self._stop.is_set():
-                        self._lost_workers[i] = f"its actor died ({type(err).__name__})"
-                        log.warning("env worker %d lost: %s", i, self._lost_workers[i])
+                self._reached("worker", i)
             except ray.exceptions.GetTimeoutError:
                 pass  # busy: its episodes' own deadlines cover a worker that hangs
+            except ray.exceptions.RayActorError as err:
+                found = self._unanswered("worker", i, err)
+                if found is None:
+                    continue
+                with self._lock:
+                    if (worker is self.a.workers[i] and i not in self._replacing and i not in self._lost_workers
+                            and not self._stop.is_set()):
+                        self._lost_workers[i] = found[1]
+                        log.warning("env worker %d lost: %s", i, self._lost_workers[i])
+
+    def _reached(self, role: str, i: int) -> None:
+        since = self._unreachable.pop((role, i), None)
+        if since is not None:
+            log.warning("%s %d answers again after %.0f s unreachable", _ROLE[role], i, time.monotonic() - since)
+
+    def _unanswered(self, role: str, i: int, err: BaseException) -> tuple[bool, str] | None:
+        """A probe of actor `i` of `role` failed: None while that may pass (unreachable for less than
+        deadlines.partition_s), else (dead, why)."""
+        if not isinstance(err, ray.exceptions.GetTimeoutError) and not transient(err):
+            self._unreachable.pop((role, i), None)
+            return True, f"its actor died ({type(err).__name__})"
+        now, limit = time.monotonic(), self.recipe.deadlines.partition_s
+        since = self._unreachable.setdefault((role, i), now)
+        if since == now:
+            log.warning("%s %d does not answer (%s); waiting up to deadlines.partition_s=%g s for it", _ROLE[role],
+                        i, type(err).__name__, limit)
+        if now - since < limit:
+            return None
+        del self._unreachable[(role, i)]
+        return True, f"its actor did not answer for {now - since:.0f} s (deadlines.partition_s={limit:g})"
+
+    def _note_homes(self) -> None:
+        """The node of each engine and env worker (named when a node is lost for good)."""
+        roles = [("engine", i, e) for i, e in enumerate(self.a.engines)]
+        roles += [("worker", i, w) for i, w in enumerate(self.a.workers)]
+        try:
+            ips = ray.get([actor.node_ip.remote() for _, _, actor in roles], timeout=60)
+        except Exception as err:  # noqa: BLE001  (only names nodes in a message; the probes find the rest)
+            log.warning("could not note the roles' nodes: %s", err)
+            return
+        for (role, i, _), ip in zip(roles, ips):
+            self.homes[(role, i)] = ip
+
+    def _note_home(self, role: str, i: int, actor) -> None:
+        try:
+            self.homes[(role, i)] = ray.get(actor.node_ip.remote(), timeout=60)
+        except Exception:  # noqa: BLE001  (only names nodes in a message)
+            self.homes.pop((role, i), None)
+
+    def _room_for(self, role: str, i: int) -> None:
+        """Wait up to deadlines.partition_s for a live node that offers what `placement.<role>` asks (the node
+        that held actor `i` may be gone for good); then raise `ActorLost` naming that node, the roles it held
+        and the resources no live node offers."""
+        setting = {"engine": "engine", "worker": "env_worker"}[role]
+        wanted = dict(getattr(self.recipe.placement, setting))
+        if not wanted:
+            return
+        limit = self.recipe.deadlines.partition_s
+        deadline = time.monotonic() + limit
+        asks = "{" + ", ".join(f"'{name}': {amount:g}" for name, amount in sorted(wanted.items())) + "}"
+        said = False
+        while not any(_offers(node, wanted) for node in ray.nodes() if node.get("Alive")):
+            if time.monotonic() > deadline:
+                node = self.homes.get((role, i), "?")
+                held = ", ".join(f"{_ROLE[r]} {j}" for (r, j), ip in sorted(self.homes.items()) if ip == node)
+                raise ActorLost(f"node {node} lost for good (it held {held or f'{_ROLE[role]} {i}'}): no live node offers "
+                                f"{asks} (placement.{setting}) within deadlines.partition_s={limit:g} s; start a node "
+                                f"that does (`ray start --resources ...`) and resume the run from its last checkpoint")
+            if not said:
+                log.warning("%s %d: waiting up to deadlines.partition_s=%g s for a live node that offers %s "
+                            "(placement.%s)", _ROLE[role], i, limit, asks, setting)
+                said = True
+            time.sleep(2)
 
     # ---- recovery, on the loop's thread ----------------------------------------------------------
 
@@ -197,11 +274,13 @@ class Supervisor:
             if self.restartable:
                 log.warning("rollout engine %d: %s; restarting it (restart %d of at most %d)", i, why, n,
                             rollout.max_engine_restarts)
+                self._room_for("engine", i)
                 try:
                     ray.kill(self.a.engines[i])  # its server's process group ends with it (the reaper)
                 except Exception:  # noqa: BLE001  (already gone)
                     pass
                 self.a.engines[i] = self.start_engine(i, n)
+                self._note_home("engine", i, self.a.engines[i])
             else:
                 log.warning("rollout engine %d (not started by this run): %s; waiting for it to answer", i, why)
                 self._wait_for(i)
@@ -223,23 +302,31 @@ class Supervisor:
         if self.probe_now():
             log.warning("%s failed (%s): an engine was lost", what, type(err).__name__)
             return True
-        self.resync(f"{what}: {first_line(getattr(err, 'cause', None) or err)}")
+        # an engine unreachable for a while (a partition) is not the group's fault: no retry is counted
+        self.resync(f"{what}: {first_line(getattr(err, 'cause', None) or err)}", count=not transient(err))
         return False
 
-    def resync(self, why: str) -> None:
+    def resync(self, why: str, count: bool = True) -> None:
         """A weight update failed while every engine still answers (its weight group broke: a connection
         reset, a receive cut short): form the group anew and give every engine the trainer's current
         weights at its version, as after a restart. Each try counts against `rollout.max_engine_restarts`;
         a try that fails too is tried again, unless a probe then finds an engine (or worker) lost, which
         `check` recovers (giving every engine the weights), or an actor died (the trainer: the loop's)."""
         t0 = time.perf_counter()
+        waits = backoff()
         while True:
-            n = self._count("sync", self.recipe.rollout.max_engine_restarts, "rollout.max_engine_restarts",
-                            "the weight group", why)
-            log.warning("weight sync failed while the engines answer (%s); forming the weight group anew and "
-                        "sending the current weights (retry %d)", why, n)
+            if count:
+                n = self._count("sync", self.recipe.rollout.max_engine_restarts, "rollout.max_engine_restarts",
+                                "the weight group", why)
+                log.warning("weight sync failed while the engines answer (%s); forming the weight group anew and "
+                            "sending the current weights (retry %d)", why, n)
+            else:
+                log.warning("weight sync failed: an engine is unreachable (%s); forming the weight group anew and "
+                            "sending the current weights once it answers (within deadlines.partition_s)", why)
             if self.sync is not None:
                 self.sync.abandon()
+            if not count and not self._answering(t0, waits):  # lost meanwhile: the loop's next `check` recovers it
+                break
             try:
                 self._reconnect()
                 break
@@ -247,10 +334,27 @@ class Supervisor:
                 if self.probe_now():  # noted lost: the loop's next `check` recovers it
                     log.warning("forming the weight group anew failed (%s): an engine was lost", type(err).__name__)
                     break
+                # an engine (or the trainer) unreachable, not lost: a partition, waited out (`_answering`)
+                count = not (transient(err) or self._unreachable)
+                if not count and time.perf_counter() - t0 < self.recipe.deadlines.partition_s:
+                    continue
                 if isinstance(err, ray.exceptions.RayActorError):  # an actor no probe watches died: the trainer
                     raise
+                count = True
                 why = f"forming it anew: {first_line(getattr(err, 'cause', None) or err)}"
         self.recover_s.append(time.perf_counter() - t0)
+
+    def _answering(self, t0: float, waits) -> bool:
+        """Wait, probing, until every engine and env worker answers again (True), or one is found lost
+        (False; `check` recovers it), for up to deadlines.partition_s from `t0` (perf_counter). A weight
+        group formed while an engine cannot be reached would wait out its rendezvous (120 s) instead."""
+        while time.perf_counter() - t0 < self.recipe.deadlines.partition_s:
+            if self.probe_now():
+                return False
+            if not self._unreachable:
+                return True
+            time.sleep(next(waits))
+        return not self.probe_now()
 
     def _wait_for(self, i: int) -> None:
         deadline = time.monotonic() + self.recipe.deadlines.batch_s
@@ -277,8 +381,10 @@ class Supervisor:
         n = self._count("worker", self.recipe.failures.max_worker_restarts, "failures.max_worker_restarts",
                         f"env worker {i}", why)
         log.warning("env worker %d: %s; restarting it (restart %d)", i, why, n)
+        self._room_for("worker", i)
         dead, self._owners[i] = self._owners[i], f"w{i}.{n}"
         self.a.workers[i] = self.start_worker(self._owners[i])
+        self._note_home("worker", i, self.a.workers[i])
         requeued = ray.get(self.a.buffer.requeue.remote(None, dead))
         log.warning("env worker %d restarted; %d running groups re-queued", i, requeued)
         if self.producing:
@@ -298,3 +404,9 @@ class Supervisor:
                 "weightsync/retries": float(self.restarts["sync"]),
                 "env/worker_restarts": float(self.restarts["worker"] + self.restarts["scorer"]),
                 "perf/recover_s": float(sum(self.recover_s))}
+
+
+def _offers(node: dict, wanted: dict[str, float]) -> bool:
+    """Whether Ray node `node` (an entry of `ray.nodes()`) was started with at least `wanted` in all."""
+    have = node.get("Resources", {})
+    return all(have.get(name, 0.0) + 1e-9 >= amount for name, amount in wanted.items())

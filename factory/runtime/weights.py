@@ -132,9 +132,9 @@ def engine_metrics(engines) -> dict[str, float]:
     out: dict[str, float] = {}
     for ref in [e.metrics.remote() for e in engines]:
         try:
-            m = ray.get(ref)
-        except ray.exceptions.RayActorError:  # lost: the supervisor restarts it at the loop's next wait
-            continue
+            m = ray.get(ref, timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # lost or unreachable: the
+            continue  # supervisor restarts a lost one at the loop's next wait
         for k, v in m.items():
             out[k] = min(out.get(k, v), v) if k.endswith("_version") else out.get(k, 0.0) + v
     return out

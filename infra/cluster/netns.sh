@@ -6,6 +6,8 @@
 #   infra/cluster/netns.sh up                 # namespaces, veth, Ray head on node 1, Ray worker on node 2
 #   infra/cluster/netns.sh run CMD...         # run CMD on node 1 with RAY_ADDRESS set (the driver's place)
 #   infra/cluster/netns.sh down               # stop every process of both nodes by PID, delete the namespaces
+#   infra/cluster/netns.sh partition 30       # faults: the link down for 30 s; kill-node2 (every process of
+#                                             # node 2 killed at once); start-node2 (a new node 2 joins)
 #
 # On real machines the same two `ray start` lines (below, without `ip netns exec`/`unshare`) are all
 # it takes: `ray start --head --node-ip-address <node 1> --resources '{"trainer": 4}'` on node 1 and
@@ -54,13 +56,20 @@ up() {
   ip netns exec "$HEAD_NS" env "${NODE_ENV[@]}" "$RAY" start --head --node-ip-address "$HEAD_IP" --port "$PORT" \
     --temp-dir "$CLUSTER_DIR/ray-head" --num-cpus 8 --resources '{"trainer": 4, "trainer_rank": 1}' --include-dashboard false \
     --disable-usage-stats > "$CLUSTER_DIR/head.log" 2>&1 || { cat "$CLUSTER_DIR/head.log" >&2; die "ray head did not start"; }
-  # node 2: a private mount namespace with an empty tmpfs over the state dir, then its Ray worker node
+  start_node2
+  trap - EXIT
+  echo "driver: $0 run <command>   (RAY_ADDRESS=$HEAD_IP:$PORT inside $HEAD_NS)"
+}
+
+start_node2() {  # node 2: a private mount namespace with an empty tmpfs over the state dir, then its Ray worker node
+  local log="$CLUSTER_DIR/node2.log" temp="$CLUSTER_DIR/ray-node2"
+  if [ -e "$temp" ]; then temp="$CLUSTER_DIR/ray-node2-$(date +%s)"; log="$temp.log"; fi  # a new node: its own dirs
   ip netns exec "$NODE_NS" unshare -m --propagation private sh -c \
     'mount -t tmpfs -o size=8g factory-node2 "$0" && exec env "$@"' "$FACTORY_HOME" \
     "${NODE_ENV[@]}" "$RAY" start --address "$HEAD_IP:$PORT" --node-ip-address "$NODE_IP" \
-    --temp-dir "$CLUSTER_DIR/ray-node2" --num-cpus 8 --resources '{"rollout": 8, "trainer_rank": 1}' --disable-usage-stats \
-    > "$CLUSTER_DIR/node2.log" 2>&1 || { cat "$CLUSTER_DIR/node2.log" >&2; die "ray node 2 did not start"; }
-  # ready when the head sees both nodes
+    --temp-dir "$temp" --num-cpus 8 --resources '{"rollout": 8, "trainer_rank": 1}' --disable-usage-stats \
+    > "$log" 2>&1 || { cat "$log" >&2; die "ray node 2 did not start"; }
+  # ready when the head sees both nodes alive
   ip netns exec "$HEAD_NS" env "${NODE_ENV[@]}" "$PYTHON" - "$HEAD_IP:$PORT" <<'PY'
 import sys, time, ray
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
@@ -69,10 +78,27 @@ while sum(n["Alive"] for n in ray.nodes()) < 2:
     if time.time() > deadline:
         sys.exit("netns.sh: node 2 did not join the head within 60 s")
     time.sleep(0.5)
-print("cluster up:", ", ".join(sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])))
+print("cluster up:", ", ".join(sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]})))
 PY
-  trap - EXIT
-  echo "driver: $0 run <command>   (RAY_ADDRESS=$HEAD_IP:$PORT inside $HEAD_NS)"
+}
+
+kill_ns() {  # every process in the namespace at once, by PID (a machine that loses power); the namespace stays
+  local ns="$1" pids
+  pids=$(ip netns pids "$ns" || true)
+  [ -z "$pids" ] || kill -KILL $pids 2>/dev/null || true
+  for _ in $(seq 1 50); do
+    [ -z "$(ip netns pids "$ns" || true)" ] && break
+    sleep 0.1
+  done
+}
+
+partition() {  # the link between the nodes down for SECONDS, then up again (both nodes live on)
+  local seconds="${1:?partition: give the seconds}"
+  ip -n "$NODE_NS" link set "$NAME-n" down
+  echo "partition: link down for $seconds s"
+  sleep "$seconds"
+  ip -n "$NODE_NS" link set "$NAME-n" up
+  echo "partition: link up"
 }
 
 run() {
@@ -110,5 +136,8 @@ case "${1:-}" in
   up) up ;;
   run) shift; run "$@" ;;
   down) down ;;
-  *) die "usage: $0 up | run CMD... | down" ;;
+  partition) shift; partition "$@" ;;  # faults, for tests and bench/chaos.py
+  kill-node2) kill_ns "$NODE_NS"; echo "node 2 killed" ;;
+  start-node2) start_node2 ;;
+  *) die "usage: $0 up | run CMD... | down | partition SECONDS | kill-node2 | start-node2" ;;
 esac
