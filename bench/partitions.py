@@ -40,7 +40,8 @@ from chaos import lake_fates  # noqa: E402
 KINDS = ("partition_45", "node_back", "partition_15")
 OVERRIDES = ["model.sft_steps=120", "data.train_size=2000", "data.heldout_size=300", "train.groups_per_step=4",
              "rollout.group_size=4", "train.checkpoint_every=0", "eval.before=false", "eval.after=false",
-             "train.threads=1", "tracking.enabled=false", "lake.enabled=true", "rollout.kv_cache_gb=1"]
+             "train.threads=1", "tracking.enabled=false", "lake.enabled=true", "rollout.kv_cache_gb=1",
+             "algorithm.filter_zero_variance=false"]  # every group trained: the time measured is the fault's alone
 
 
 def policy_dir() -> Path:
