@@ -147,3 +147,20 @@ def test_leases_are_renewed_only_by_their_owner_and_lease():
         await b.stop()
 
     asyncio.run(go())
+
+
+def test_a_retried_acquire_gets_the_tickets_its_lost_answer_held():
+    """A partition lost the answer of an acquire call that ran: its retry (the same call number) gets the
+    same tickets, so no group is handed out to nobody; the next call gets new ones."""
+    async def go():
+        b = buffer_actor(lease_s=60)
+        first = await b.acquire_many("w0", 2, call=1)
+        assert await b.acquire_many("w0", 2, call=1) == first  # the retry
+        running = b.buffer.running
+        second = await b.acquire_many("w0", 2, call=2)
+        assert {t[0] for t in second}.isdisjoint(t[0] for t in first) and b.buffer.running == running + len(second)
+        assert await b.finish(group_of(first[0][0], first[0][1], [0.0, 1.0]), 1.0, None, first[0][0], first[0][2])
+        assert await b.acquire_many("w0", 2, call=2) == second  # a retry still gets what it was given
+        await b.stop()
+
+    asyncio.run(go())

@@ -343,6 +343,7 @@ class BufferActor(Placed):
         self.lease_s = lease_s
         self.expired = 0
         self._expiry: asyncio.Task | None = None
+        self.last_answer: dict[str, tuple[int, list]] = {}  # owner -> (its last acquire call's number, tickets)
         self.retired: set[str] = set()  # env workers declared dead: a call of theirs still waiting gets nothing
         self.requeued = 0
         self.restart: collections.deque[tuple[str, Task]] = collections.deque()  # a resumed run's in-flight groups
@@ -363,13 +364,19 @@ class BufferActor(Placed):
         tickets = await self.acquire_many(owner, 1)
         return None if tickets is None else tickets[0]
 
-    async def acquire_many(self, owner: str = "w0", most: int = 1) -> list[tuple[str, Task, int]] | None:
+    async def acquire_many(self, owner: str = "w0", most: int = 1,
+                           call: int | None = None) -> list[tuple[str, Task, int]] | None:
         """`acquire`, but up to `most` tickets in one call: all the capacity free when it returns (a
         batch taken or a group discarded frees several slots at once; one Ray call per slot cost
-        the env worker and this actor ~1 ms of CPU each)."""
+        the env worker and this actor ~1 ms of CPU each). `call`: the caller's number for this call; the
+        same number again (a retry whose first answer a partition lost) gets the same tickets, not more."""
         self._watch_leases()
         async with self.changed:
-            await self.changed.wait_for(lambda: self.stopped or owner in self.retired or self.buffer.capacity() > 0)
+            await self.changed.wait_for(lambda: self.stopped or owner in self.retired or self.buffer.capacity() > 0
+                                        or self._answered(owner, call) is not None)
+            again = self._answered(owner, call)
+            if again is not None:
+                return again
             if self.stopped or owner in self.retired:
                 return None
             tickets: list[tuple[str, Task, int]] = []
@@ -386,7 +393,16 @@ class BufferActor(Placed):
                 self.handouts[group_id] = lease + 1
                 self.leases[group_id] = (lease, time.monotonic() + self.lease_s)
                 tickets.append((group_id, task, lease))
+            if call is not None:
+                self.last_answer[owner] = (call, tickets)
             return tickets
+
+    def _answered(self, owner: str, call: int | None) -> list[tuple[str, Task, int]] | None:
+        """The tickets call `call` of `owner` was given already, those still running under their lease."""
+        last = self.last_answer.get(owner)
+        if call is None or last is None or last[0] != call:
+            return None
+        return [t for t in last[1] if self._current(t[0], t[2])]
 
     def renew(self, owner: str, leases: list[tuple[str, int]]) -> int:
         """The env worker `owner` still runs these (group id, lease): each lease ends `lease_s` from now.
@@ -577,6 +593,7 @@ class EnvWorkerActor(Placed):
         self.tasks: set[asyncio.Task] = set()
         self.running: dict[str, int] = {}  # group id -> its lease, while this worker runs it (renewed)
         self._renewing: asyncio.Task | None = None
+        self.calls = 0  # acquire calls made
         from factory.rollout.engine import Batcher
 
         # groups that finish within a few ms of each other (one engine answer ends many episodes) reach
@@ -605,8 +622,9 @@ class EnvWorkerActor(Placed):
         try:
             await self._run_and_report(group_id, task, lease)
         except Exception as err:  # noqa: BLE001  (the buffer unreachable past deadlines.partition_s, or gone)
-            self.failures.logger.warning("group %s: its report did not reach the buffer (%s); its lease ends and it "
-                                      "runs again", group_id, first_line(err))
+            if self.producing:  # not the groups cut short when the run stops
+                self.failures.logger.warning("group %s: its report did not reach the buffer (%s); its lease "
+                                             "ends and it runs again", group_id, first_line(err))
         finally:
             self.running.pop(group_id, None)
 
@@ -637,8 +655,8 @@ class EnvWorkerActor(Placed):
                 try:
                     await self._buffer_call(self.buffer.renew, self.owner, list(self.running.items()), what="renew")
                 except Exception as err:  # noqa: BLE001  (unreachable past the deadline: the leases end there)
-                    self.failures.logger.warning("renewing the leases of %d groups failed: %s", len(self.running),
-                                              first_line(err))
+                    self.failures.logger.warning("renewing the leases of %d groups failed: %s",
+                                                 len(self.running), first_line(err))
 
     async def _report(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
         try:
@@ -662,8 +680,10 @@ class EnvWorkerActor(Placed):
         if self._renewing is None or self._renewing.done():
             self._renewing = asyncio.create_task(self._renew())
         while self.producing:
+            self.calls += 1  # one number per call, kept across its retries (the buffer answers a retry alike)
             try:
-                tickets = await self._buffer_call(self.buffer.acquire_many, self.owner, ACQUIRE_MOST, what="acquire")
+                tickets = await self._buffer_call(self.buffer.acquire_many, self.owner, ACQUIRE_MOST, self.calls,
+                                                  what="acquire")
             except Unreachable as err:  # the run's driver decides whether the buffer is gone; keep asking
                 self.failures.logger.warning("%s", err)
                 continue

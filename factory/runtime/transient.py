@@ -5,9 +5,10 @@ While the link between two nodes is down, a call from one to an actor on the oth
 actor may still be alive, and Ray says so. Ray makes it a kind of `RayActorError`, the error of a
 dead actor; every place that treats `RayActorError` as a death must ask `transient` first.
 
-`call` (from a thread) and `acall` (from an actor's event loop) retry such a call with backoff
-until the recipe's `deadlines.partition_s` has passed since the first failure, and then raise
-`Unreachable`, which the caller treats as the actor's death. A call that failed transiently may
+`acall` (from an actor's event loop: the env workers' calls to the buffer) retries such a call with
+backoff until the recipe's `deadlines.partition_s` has passed since the first failure, and then
+raises `Unreachable`, which the caller treats as the actor's death. (The driver's own calls are
+waited out by the supervisor: runtime/supervisor.py.) A call that failed transiently may
 or may not have run on the other side: every method retried this way is one whose second run is
 harmless (the buffer's reports are keyed by group and lease, its requeues by group id).
 """
@@ -69,23 +70,10 @@ class _Tries:
         return min(next(self.delays), max(0.0, self.since + self.partition_s - now))
 
 
-def call(method, *args, partition_s: float, what: str, timeout: float | None = None,
-         on_retry: Callable[[str], None] | None = None, **kwargs):
-    """`ray.get(method.remote(*args, **kwargs), timeout=timeout)`, tried again while the actor is
-    unavailable, for up to `partition_s` seconds from the first such failure."""
-    tries = _Tries(what, partition_s, on_retry)
-    while True:
-        try:
-            return ray.get(method.remote(*args, **kwargs), timeout=timeout)
-        except ray.exceptions.RayActorError as err:
-            if not transient(err):
-                raise
-            time.sleep(tries.failed(err))
-
-
 async def acall(method, *args, partition_s: float, what: str, on_retry: Callable[[str], None] | None = None,
                 **kwargs):
-    """`await method.remote(*args, **kwargs)` inside an actor, tried again as `call` does."""
+    """`await method.remote(*args, **kwargs)` inside an actor, tried again while the actor is unavailable,
+    for up to `partition_s` seconds from the first such failure."""
     tries = _Tries(what, partition_s, on_retry)
     while True:
         try:
