@@ -171,15 +171,10 @@ class Supervisor:
 
     def _note_homes(self) -> None:
         """The node of each engine and env worker (named when a node is lost for good)."""
-        roles = [("engine", i, e) for i, e in enumerate(self.a.engines)]
-        roles += [("worker", i, w) for i, w in enumerate(self.a.workers)]
-        try:
-            ips = ray.get([actor.node_ip.remote() for _, _, actor in roles], timeout=60)
-        except Exception as err:  # noqa: BLE001  (only names nodes in a message; the probes find the rest)
-            log.warning("could not note the roles' nodes: %s", err)
-            return
-        for (role, i, _), ip in zip(roles, ips):
-            self.homes[(role, i)] = ip
+        for i, engine in enumerate(self.a.engines):
+            self._note_home("engine", i, engine)
+        for i, worker in enumerate(self.a.workers):
+            self._note_home("worker", i, worker)
 
     def _note_home(self, role: str, i: int, actor) -> None:
         try:

@@ -47,38 +47,23 @@ def backoff(first: float = BACKOFF_FIRST_S, most: float = BACKOFF_MAX_S):
         delay = min(delay * 2, most)
 
 
-class _Tries:
-    """The bookkeeping of one retried call: when it first failed, and whether the deadline has passed."""
-
-    def __init__(self, what: str, partition_s: float, on_retry: Callable[[str], None] | None):
-        self.what, self.partition_s, self.on_retry = what, partition_s, on_retry
-        self.since: float | None = None
-        self.delays = backoff()
-        self.tries = 0
-
-    def failed(self, err: BaseException) -> float:
-        """The delay before the next try; raises `Unreachable` once `partition_s` has passed."""
-        now = time.monotonic()
-        self.since = now if self.since is None else self.since
-        self.tries += 1
-        if now - self.since >= self.partition_s:
-            raise Unreachable(f"{self.what}: unreachable for {now - self.since:.0f} s, past deadlines.partition_s="
-                              f"{self.partition_s:g} ({type(err).__name__}); treated as lost") from err
-        if self.tries == 1 and self.on_retry is not None:
-            self.on_retry(f"{self.what}: {type(err).__name__}; retrying for up to deadlines.partition_s="
-                          f"{self.partition_s:g} s")
-        return min(next(self.delays), max(0.0, self.since + self.partition_s - now))
-
-
 async def acall(method, *args, partition_s: float, what: str, on_retry: Callable[[str], None] | None = None,
                 **kwargs):
     """`await method.remote(*args, **kwargs)` inside an actor, tried again while the actor is unavailable,
-    for up to `partition_s` seconds from the first such failure."""
-    tries = _Tries(what, partition_s, on_retry)
+    for up to `partition_s` seconds from the first such failure; `on_retry` hears of the first one."""
+    since, delays = None, backoff()
     while True:
         try:
             return await method.remote(*args, **kwargs)
         except ray.exceptions.RayActorError as err:
             if not transient(err):
                 raise
-            await asyncio.sleep(tries.failed(err))
+            now = time.monotonic()
+            if since is None:
+                since = now
+                if on_retry is not None:
+                    on_retry(f"{what}: {type(err).__name__}; retrying for up to deadlines.partition_s={partition_s:g} s")
+            if now - since >= partition_s:
+                raise Unreachable(f"{what}: unreachable for {now - since:.0f} s, past deadlines.partition_s="
+                                  f"{partition_s:g} ({type(err).__name__}); treated as lost") from err
+            await asyncio.sleep(min(next(delays), max(0.0, since + partition_s - now)))

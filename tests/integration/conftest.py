@@ -118,3 +118,19 @@ def actor_pids(class_name: str) -> list[int]:
         except psutil.Error:  # gone meanwhile
             continue
     return pids
+
+
+def one_fate_per_group(run_id: str, group_size: int) -> list[dict]:
+    """The lake's rows of run `run_id` (the lake of FACTORY_HOME): each sample once, each group whole,
+    every status a final one."""
+    from factory.lake.query import sql
+
+    rows = sql(f"SELECT sample_id, group_id, status FROM samples WHERE run_id = '{run_id}'").to_pylist()
+    ids = [r["sample_id"] for r in rows]
+    assert len(ids) == len(set(ids)) > 0
+    per_group: dict[str, set] = {}
+    for r in rows:
+        per_group.setdefault(r["group_id"], set()).add(r["sample_id"])
+    assert all(len(s) == group_size for s in per_group.values()), per_group
+    assert {r["status"] for r in rows} <= {"trained", "filtered", "rejected", "unused"}
+    return rows

@@ -42,8 +42,8 @@ def test_seeded_sampling_of_many_long_prompts_survives_chunked_prefill_and_draws
     # unchunked one does (tests/rollout/test_seeded_rewind.py checks that on the logic alone). Whole
     # completions are compared as a majority, not all 64: CPU kernels need not be batch-invariant, and a
     # logit that differs in its last bits between a batch of 64 and a batch of 1 can flip one sampled
-    # token near a tie, after which that completion goes its own way (CI saw 1 of 64 differ at its 15th
-    # token). The first tokens, drawn right after each (possibly chunked) prefill, agree all but one at most.
+    # token near a tie, after which that completion goes its own way (typically 0-2 of 64 differ, late in
+    # the completion). The first tokens, drawn right after each (possibly chunked) prefill, agree all but one.
     same = sum(a == t for a, t in zip(alone, together))
     assert same >= PROMPTS * 7 // 8, f"only {same} of {PROMPTS} seeded completions match their single requests"
     assert sum(a[0] == t[0] for a, t in zip(alone, together)) >= PROMPTS - 1

@@ -19,7 +19,7 @@ import pytest
 
 from infra.cluster.control import TwoNodes
 
-from .conftest import REPO, TEST_OVERRIDES
+from .conftest import REPO, TEST_OVERRIDES, one_fate_per_group
 
 pytestmark = pytest.mark.integration
 
@@ -44,20 +44,9 @@ def faulted_run(nodes: TwoNodes, name: str, *overrides: str):
                            nodes.home / f"{name}.log")
 
 
-def one_fate_per_group(home: Path, run_id: str, group_size: int, monkeypatch) -> list[dict]:
-    """The lake's rows of the run: each sample once, each group whole, every status a final one."""
-    from factory.lake.query import sql
-
+def lake_fates(home: Path, run_id: str, group_size: int, monkeypatch) -> list[dict]:
     monkeypatch.setenv("FACTORY_HOME", str(home))  # the run's lake: node 1's state dir
-    rows = sql(f"SELECT sample_id, group_id, status FROM samples WHERE run_id = '{run_id}'").to_pylist()
-    ids = [r["sample_id"] for r in rows]
-    assert len(ids) == len(set(ids)) > 0
-    per_group: dict[str, set] = {}
-    for r in rows:
-        per_group.setdefault(r["group_id"], set()).add(r["sample_id"])
-    assert all(len(s) == group_size for s in per_group.values()), per_group
-    assert {r["status"] for r in rows} <= {"trained", "filtered", "rejected", "unused"}
-    return rows
+    return one_fate_per_group(run_id, group_size)
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +128,9 @@ def test_a_partition_mid_run_costs_the_partition_not_the_run(two_nodes, monkeypa
     assert results["buffer"]["buffer/running"] == 0
     # the run lost the partition and a few steps' time, not a deadline's (deadlines.batch_s = 600 s)
     assert after_s < PARTITION_S + 120, after_s
-    one_fate_per_group(two_nodes.home, "partition", 4, monkeypatch)
-    # (before: each group whose report failed as unavailable died as an unretrieved task exception, and
-    # the buffer kept it "running" until deadlines.batch_s ended the run)
+    lake_fates(two_nodes.home, "partition", 4, monkeypatch)
+    # a group whose report fails as unavailable is retried, never an unretrieved task exception that leaves
+    # it "running" in the buffer until deadlines.batch_s ends the run
     assert "Task exception was never retrieved" not in run.tail(1_000_000)
 
 
@@ -158,7 +147,7 @@ def test_a_lost_node_whose_replacement_joins_takes_its_roles_back(two_nodes, mon
     results = run.results()
     assert results["steps"] == 8 and results["restarts"]["engine"] == 1 and results["restarts"]["worker"] == 1
     assert results["nodes"]["engines"] == [two_nodes.node2] and results["nodes"]["env_workers"] == [two_nodes.node2]
-    one_fate_per_group(two_nodes.home, "node-back", 4, monkeypatch)
+    lake_fates(two_nodes.home, "node-back", 4, monkeypatch)
 
 
 def test_a_node_lost_for_good_ends_the_run_in_one_line_naming_it(two_nodes):
