@@ -8,7 +8,7 @@ Jobs: main_job (one recipe through the whole graph: `python -m assets materializ
 (recipe × grid → rl_runs partitions), rl_run_job, evaluation_job. Sensors:
 rl_run_launcher (starts what a sweep planned), checkpoint_evaluation_sensor, rl_run_recovery
 (failed run → relaunch from the last checkpoint). Schedule: evaluation_schedule (hourly).
-Resources point where the profile says ($FACTORY_PROFILE: embedded | production), see `factory.profile`.
+Resources point where the profile says ($FACTORY_PROFILE: embedded | production), see `factory.support.profile`.
 """
 
 from __future__ import annotations

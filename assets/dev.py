@@ -66,7 +66,7 @@ class DagsterClient:
         """One GraphQL request. A read that meets a server error or a refused connection (its storage
         restarting: seen as a 500 right after a Postgres restart) is retried with backoff for up to 60 s;
         a mutation is not (it may have been applied)."""
-        from factory.outage import Outage, retry
+        from factory.recording.outage import Outage, retry
 
         def post() -> httpx.Response:
             response = self.http.post(self.url, json={"query": text, "variables": variables or {}})

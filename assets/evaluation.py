@@ -32,7 +32,7 @@ def evaluate_checkpoint(recipe, checkpoint: Path, suite: str, n: int | None, kee
 
 def _digest(recipe, suite: str, n: int) -> str:
     """Which tasks an evaluation of `n` on `suite` scores (a seeded sample: the same in every run)."""
-    from factory.evaluate import suite_tasks, tasks_digest
+    from factory.data.heldout import suite_tasks, tasks_digest
 
     return tasks_digest(suite_tasks(recipe, suite, n))
 
@@ -80,7 +80,7 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, lake
     episodes = result.pop("episodes", None)
     context.log.info(f"{key} step {step}: {config.suite} accuracy {result['mean']:.3f} ± {result['stderr']:.3f}")
 
-    from factory import lineage
+    from factory.recording import lineage
 
     # where the evaluated policy came from: the checkpoint's manifest, plus who evaluated it
     origin = lineage.read_manifest(checkpoint) if (checkpoint / "manifest.json").is_file() else {}

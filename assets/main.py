@@ -98,7 +98,7 @@ def materialize(recipe_file: str, overrides: list[str]) -> int:
 
 
 def _tracking_uri(recipe: Recipe) -> str:
-    from factory.tracking import default_tracking_uri
+    from factory.recording.tracking import default_tracking_uri
 
     return recipe.tracking.uri or default_tracking_uri()
 
@@ -118,7 +118,7 @@ def print_next_steps(recipe: Recipe, key: str, dagster_run_id: str) -> None:
              f"Dagster UI (asset graph, this run, sweeps): {shown(python)} -m assets -p 3000",
              f"    then http://127.0.0.1:3000/asset-groups and http://127.0.0.1:3000/runs/{dagster_run_id}"]
     if recipe.tracking.enabled:
-        from factory.tracking import ui_hint
+        from factory.recording.tracking import ui_hint
 
         lines += [f"MLflow UI (metrics, plots):  {ui_hint(_tracking_uri(recipe), shown(venv_bin / 'mlflow'))}",
                   f"    (experiment '{recipe.tracking.experiment}', run '{key}')"]

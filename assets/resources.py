@@ -1,6 +1,6 @@
 """Resources: the lake, MLflow tracking and Ray, injected into assets.
 
-Where they point is the profile's business (`factory.profile`, switched by FACTORY_PROFILE): empty
+Where they point is the profile's business (`factory.support.profile`, switched by FACTORY_PROFILE): empty
 fields mean "the profile's service" — embedded: a SQLite Iceberg catalog and a SQLite MLflow store
 under the state dir and a loopback Ray per run; production: the catalog on PostgreSQL with the
 warehouse on S3, an MLflow server and a Ray cluster. Fields set here (in the Dagster UI's launchpad,
@@ -20,7 +20,7 @@ from pydantic import Field
 from factory.recipe import Recipe
 
 if TYPE_CHECKING:
-    from factory.progress import RunProgress
+    from factory.support.progress import RunProgress
 
 class LakeResource(dg.ConfigurableResource):
     """The Iceberg trajectory lake. Empty catalog fields: the profile's catalog."""
@@ -77,7 +77,7 @@ class TrackingResource(dg.ConfigurableResource):
         return recipe
 
     def tracker(self, recipe: Recipe):
-        from factory.tracking import RunTracker
+        from factory.recording.tracking import RunTracker
 
         return RunTracker(self.uri or recipe.tracking.uri, recipe.tracking.experiment)
 
@@ -118,11 +118,11 @@ class ProgressResource(dg.ConfigurableResource):
 
     @contextlib.contextmanager
     def bars(self, total_steps: int) -> Iterator[RunProgress | None]:
-        """A `factory.progress.RunProgress` for a run of `total_steps` steps, or None unless live."""
+        """A `factory.support.progress.RunProgress` for a run of `total_steps` steps, or None unless live."""
         if not self.live:
             yield None
             return
-        from factory.progress import RunProgress
+        from factory.support.progress import RunProgress
 
         with RunProgress(total_steps) as progress:
             yield progress
@@ -131,7 +131,7 @@ class ProgressResource(dg.ConfigurableResource):
 def resources_for() -> dict[str, dg.ConfigurableResource]:
     """The resources of the code location, after loading the profile ($FACTORY_PROFILE, one line
     naming what to fix when it is wrong or its env file is missing)."""
-    from factory import profile
+    from factory.support import profile
 
     profile.activate()
     return {"lake": LakeResource(), "tracking": TrackingResource(), "ray": RayResource(),

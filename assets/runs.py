@@ -19,7 +19,7 @@ from pydantic import Field
 
 from factory.paths import REPO_ROOT, runs_dir
 from factory.recipe import Recipe, RecipeError, load_recipe
-from factory.recording import checkpoints, latest_checkpoint  # noqa: F401  (assets import them from here)
+from factory.recording.recorder import checkpoints, latest_checkpoint  # noqa: F401  (assets import them from here)
 
 RL_RUNS_NAME = "rl_runs"
 RL_RUNS = dg.DynamicPartitionsDefinition(name=RL_RUNS_NAME)

@@ -59,7 +59,7 @@ def _mlflow_parent_run(context, recipe, grid: dict, points: int) -> str | None:
     """The sweep as a parent MLflow run; each RL run of it becomes a child (tag mlflow.parentRunId)."""
     if not recipe.tracking.enabled:
         return None
-    from factory.tracking import RunTracker
+    from factory.recording.tracking import RunTracker
 
     tracker = RunTracker(recipe.tracking.uri, recipe.tracking.experiment)
     run_id = tracker.start(f"sweep-{context.run_id[:8]}", params={"grid": {k: list(v) for k, v in grid.items()}},

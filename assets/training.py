@@ -32,7 +32,7 @@ checkpoint = dg.AssetSpec(CHECKPOINT_KEY, deps=[RL_RUN_KEY], partitions_def=RL_R
 
 
 def checkpoint_event(key: str, path: Path) -> dg.AssetMaterialization:
-    from factory import lineage
+    from factory.recording import lineage
 
     manifest = lineage.read_manifest(path) if (path / "manifest.json").is_file() else {}
     return dg.AssetMaterialization(CHECKPOINT_KEY, partition=key, metadata={
@@ -75,7 +75,7 @@ def _accuracy(results: dict, key: str) -> dict:
 def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeResource,
            tracking: TrackingResource, ray: RayResource, progress: ProgressResource) -> dg.MaterializeResult:
     """One RL run (`factory.run.run`): trains the recipe, evaluates before/after, records to lake and MLflow."""
-    from factory import lineage
+    from factory.recording import lineage
     from factory.run import run
 
     key = context.partition_key
@@ -116,7 +116,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLRunConfig, lake: LakeRes
     lineage.set_context(dagster_run_id=context.run_id, sweep_run_id=context.run.tags.get(SWEEP_RUN_TAG),
                         parent_run_id=context.run.tags.get(PARENT_RUN_TAG),
                         mlflow_parent_run_id=planned.get("mlflow_parent_run_id"))
-    from factory.failures import EnvironmentFailure
+    from factory.support.failures import EnvironmentFailure
 
     with exclusive(directory), ray.session(), progress.bars(recipe.train.steps) as bars:
         try:

@@ -164,7 +164,7 @@ class ProductionStack:
     def mlflow_steps(self, run_name: str, metric: str = "rollout/reward_mean") -> list[int]:
         from mlflow import MlflowClient
 
-        from factory.tracking import RUN_TAG
+        from factory.recording.tracking import RUN_TAG
 
         client = MlflowClient(self.values["MLFLOW_TRACKING_URI"])
         experiment = client.get_experiment_by_name("factory")

@@ -393,7 +393,7 @@ def main() -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from factory.paths import cache_dir
-    from factory.threads import resolve
+    from factory.support.threads import resolve
 
     points = QUICK if args.quick else FULL
     if args.points:
@@ -407,7 +407,7 @@ def main() -> None:
         raise SystemExit(f"--max-model-len {args.max_model_len}: the grid needs {longest} (prompt + completion)")
     if args.model and not (Path(args.model) / "config.json").is_file():
         raise SystemExit(f"--model: {args.model} holds no config.json (not a Hugging Face model dir)")
-    # an engine generating alone: every core but the one its API server and this client use (factory/threads.py)
+    # an engine generating alone: every core but the one its API server and this client use (factory/support/threads.py)
     args.threads = resolve(args.threads, "engine", {"engines": 1, "max_staleness": 0, "shared": True})
     policy = Path(args.model) if args.model else tiny_policy()
     model, own_positions = long_context_copy(policy, args.max_model_len)

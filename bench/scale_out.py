@@ -255,7 +255,7 @@ def bandwidth_driver(args) -> int:
     import ray
     import torch
 
-    from factory.weightsync import BucketPlan, pack_bucket, unpack_bucket
+    from factory.model.weightsync import BucketPlan, pack_bucket, unpack_bucket
 
     @ray.remote(num_cpus=0)
     class Peer:
@@ -269,7 +269,7 @@ def bandwidth_driver(args) -> int:
             return self.ip
 
         def open(self) -> tuple[str, int]:
-            from factory.weightsync import WeightBroadcaster
+            from factory.model.weightsync import WeightBroadcaster
 
             self.sender = WeightBroadcaster(host=self.ip, world_size=2)
             return self.sender.host, self.sender.port
@@ -279,7 +279,7 @@ def bandwidth_driver(args) -> int:
             self.group, self.rank = self.sender.group, 0
 
         def join(self, host: str, port: int) -> None:
-            from factory.weightsync import WeightReceiver
+            from factory.model.weightsync import WeightReceiver
 
             empty = BucketPlan("bfloat16", []).to_json()
             self.receiver = WeightReceiver(host, port, 1, 2, empty, local_host=self.ip)
@@ -314,7 +314,7 @@ def bandwidth_driver(args) -> int:
 
             raw        one flat tensor of the same bytes, the same (warm) tensor every time: the floor
             raw_fresh  the same, rank 1 receiving into a newly allocated tensor (as WeightReceiver does)
-            bucketed   factory.weightsync: WeightBroadcaster.broadcast / WeightReceiver.receive
+            bucketed   factory.model.weightsync: WeightBroadcaster.broadcast / WeightReceiver.receive
             pipelined  diagnostic, not factory code: rank 0 packs into two reused buffers, bucket i+1 while
                        bucket i is on the wire (one broadcast in flight at a time); rank 1 receives into
                        buffers allocated (and touched) once, one per bucket"""

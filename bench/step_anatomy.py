@@ -69,7 +69,7 @@ def time_driver(spent: dict[str, float]) -> None:
     """Accumulate the seconds the run loop spends in each of DRIVER_PHASES (and in the recorder's
     log_step) into `spent`; the loop looks these names up at call time, so wrapping them here works."""
     import factory.run as run_module
-    from factory.recording import RunRecorder
+    from factory.recording.recorder import RunRecorder
     from factory.runtime.weights import WeightPublisher
 
     def wrap(owner, name: str, label: str) -> None:

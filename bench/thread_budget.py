@@ -63,7 +63,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts to pair (default: 1 and all)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "thread_budget.json"))
     ap.add_argument("--summarize", action="store_true", help="re-summarise the results file (no runs): after "
-                    "the rule in factory/threads.py changed")
+                    "the rule in factory/support/threads.py changed")
     ap.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
     args = ap.parse_args()
     if args.summarize:
@@ -77,7 +77,7 @@ def main() -> int:
 
     from factory.model.sft import ensure_base_policy
     from factory.recipe import load_recipe
-    from factory.threads import available_cores
+    from factory.support.threads import available_cores
 
     cores = available_cores()
     counts = args.threads or sorted({1, cores})
@@ -103,7 +103,7 @@ def main() -> int:
 def summarize(rows: list[dict], cores: int, etas: list[int]) -> dict:
     """Ratios over the 1 + 1 split at each η (added to `rows`), a table, and for each η what
     `auto` resolves to on this machine against the best split measured."""
-    from factory.threads import thread_split
+    from factory.support.threads import thread_split
 
     auto = {}
     print(f"\n{cores} cores; ratios over 1 + 1 at the same η")

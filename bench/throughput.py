@@ -47,7 +47,7 @@ def bench_recipe(steps: int, overrides: list[str]):
 
 def time_recorder(spent: dict[str, float]) -> None:
     """Accumulate the seconds the run's RunRecorder spends in each of RECORDER_METHODS into `spent`."""
-    from factory.recording import RunRecorder
+    from factory.recording.recorder import RunRecorder
 
     for name in RECORDER_METHODS:
         original = getattr(RunRecorder, name)
@@ -111,7 +111,7 @@ def cpu_between(a: dict[int, tuple[str, float, float]], b: dict[int, tuple[str, 
 def window_report(steps: list[dict], probes: dict[int, dict], samples: dict[int, list[dict]], first: int,
                   last: int) -> dict:
     """Rates and where the time went over steps first…last (1-based, inclusive)."""
-    from factory.throughput import window_rates
+    from factory.support.throughput import window_rates
 
     end = steps[last - 1]
     before = steps[first - 2] if first > 1 else {}

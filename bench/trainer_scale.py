@@ -87,7 +87,7 @@ def batch_spec(n: int, prompt: int, completion: int | list[int], seed: int = 0) 
 def make_batch(spec: dict):
     import torch
 
-    from factory.types import Batch, Group, Sample, Task
+    from factory.core.types import Batch, Group, Sample, Task
 
     g = torch.Generator().manual_seed(spec["seed"])
     comps = spec["completion"] if isinstance(spec["completion"], list) else [spec["completion"]] * spec["n"]
@@ -124,7 +124,7 @@ def variant_trainer(model: str, spec: dict, steps: int, overrides: list[str], ra
     """The Trainer of whatever `factory` is importable (this tree's, or OLD_COMMIT's worktree)."""
     import inspect
 
-    from factory.trainer import Trainer
+    from factory.training.trainer import Trainer
 
     # every variant computes on the same threads: this machine's cores, shared by the ranks
     r = _recipe([f"train.threads={max(1, (os.cpu_count() or 1) // world)}", *overrides])

@@ -46,7 +46,7 @@ class RawReceiver:
     """Receives the trainer's buckets into fresh tensors and does nothing with them."""
 
     def init(self, host: str, port: int, plan_json: str) -> None:
-        from factory.weightsync import WeightReceiver
+        from factory.model.weightsync import WeightReceiver
 
         self.receiver = WeightReceiver(host, port, 1, 2, plan_json)
 
@@ -148,7 +148,7 @@ def main() -> int:
     with local_ray(), tempfile.TemporaryDirectory() as tmp:
         trainer = TrainerActor.remote(str(policy), recipe.algorithm, recipe.train, recipe.rollout)
         plan = ray.get(trainer.plan_json.remote())
-        from factory.weightsync import BucketPlan
+        from factory.model.weightsync import BucketPlan
 
         total_bytes = BucketPlan.from_json(plan).total_bytes
 

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from factory.failures import RunFailure
+from factory.support.failures import RunFailure
 from factory.recipe import Recipe, RecipeError, expand_sweep, json_schema, load_recipe, machine_problems
 
 
@@ -22,8 +22,8 @@ def _fail(message: str, code: int = 2) -> int:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Failures a user fixes by changing the recipe, a path or the cluster: one line, no traceback."""
     from factory.rollout.vllm import EngineStartError
-    from factory.profile import ProfileError
-    from factory.parallel import TrainerSetupError
+    from factory.support.profile import ProfileError
+    from factory.training.parallel import TrainerSetupError
     from factory.runtime.cluster import ClusterUnreachable, PlacementError
 
     # RecipeError: a run's own data check (prompts longer than the context: factory.data.lengths)
@@ -91,8 +91,8 @@ def cmd_recipe_schema(args) -> int:
 
 
 def _train_with_progress(recipe, run_dir: Path, resume_from: Path | None = None) -> dict:
-    from factory.progress import RunProgress
-    from factory.recording import checkpoint_version
+    from factory.support.progress import RunProgress
+    from factory.recording.recorder import checkpoint_version
     from factory.run import run
 
     start = checkpoint_version(resume_from) if resume_from is not None else 0
@@ -154,7 +154,7 @@ def where_to_look(recipe: Recipe, run_dir: Path) -> list[str]:
     bin_dir = Path(sys.executable).parent
     lines = []
     if recipe.tracking.enabled:
-        from factory.tracking import default_tracking_uri, ui_hint
+        from factory.recording.tracking import default_tracking_uri, ui_hint
 
         uri = recipe.tracking.uri or default_tracking_uri()
         lines.append(f"MLflow UI          : {ui_hint(uri, str(bin_dir / 'mlflow'))} "
@@ -178,7 +178,7 @@ def find_run_dir(run: str) -> Path:
 
 
 def cmd_run(args) -> int:
-    from factory.recording import latest_checkpoint
+    from factory.recording.recorder import latest_checkpoint
 
     resume_from = None
     try:
@@ -231,7 +231,7 @@ def cmd_sweep(args) -> int:
 def cmd_evaluate(args) -> int:
     from factory.runtime.evaluation import evaluate_checkpoint
 
-    from factory.progress import EvaluationProgress
+    from factory.support.progress import EvaluationProgress
 
     try:
         recipe = _loaded(args.recipe, args.overrides)
@@ -252,11 +252,11 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    """Retrain a run from its recorded batches in the lake and compare with its checkpoint (factory/replay.py)."""
+    """Retrain a run from its recorded batches in the lake and compare with its checkpoint (factory/recording/replay.py)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from factory.replay import ReplayError, main_text, replay
+    from factory.recording.replay import ReplayError, main_text, replay
 
     try:
         with Progress(TextColumn("[bold]replaying steps"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
@@ -277,7 +277,7 @@ def cmd_serve(args) -> int:
     """A vLLM server that runs attach to (`rollout.urls`), in the foreground until Ctrl-C or SIGTERM."""
     import signal
 
-    from factory.devices import resolve_device
+    from factory.support.devices import resolve_device
     from factory.rollout.vllm import EngineStartError, VLLMServer
 
     lora = ["--enable-lora", "--max-lora-rank", str(args.lora_rank), "--max-loras", "1"] if args.lora_rank else []

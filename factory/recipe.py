@@ -25,7 +25,7 @@ from pydantic import (BaseModel, ConfigDict, Field, JsonValue, ValidationError, 
                       model_validator)
 from pydantic_core import ErrorDetails
 
-from factory.threads import Threads
+from factory.support.threads import Threads
 
 
 class RecipeError(ValueError):
@@ -346,7 +346,7 @@ class RolloutSection(Section):
     bucket_mb: int = Field(16, gt=0)
     kv_cache_gb: int = Field(2, gt=0)
     cpus: Threads = Field("auto", description="CPU threads for each engine; auto: this node's share by the "
-                          "measured rule in factory/threads.py")
+                          "measured rule in factory/support/threads.py")
     coalesce_ms: float = Field(5.0, ge=0, description="vLLM: prompts arriving this close share one HTTP request")
     keep_sampling_mask: bool = Field(
         False, description="record the sampler's candidate set per token (top-k/top-p survivors) and "
@@ -418,17 +418,17 @@ class OffPolicyCorrection(Section):
 
 
 class DistillSection(Section):
-    """On-policy distillation: a teacher scores the student's samples token by token (factory/scoring.py)."""
+    """On-policy distillation: a teacher scores the student's samples token by token (factory/training/scoring.py)."""
 
     teacher: str | None = Field(None, description="HF model dir of the teacher (same tokenizer); unset: off")
     coef: float = Field(1.0, ge=0, description="weight of the per-token teacher-minus-student logprob advantage")
-    scorer: str = Field("teacher_logprobs", description="a registered scorer (factory/scoring.py)",
-                        **_registered("factory.scoring", "SCORERS"))
+    scorer: str = Field("teacher_logprobs", description="a registered scorer (factory/training/scoring.py)",
+                        **_registered("factory.training.scoring", "SCORERS"))
 
     @field_validator("scorer")
     @classmethod
     def _known_scorer(cls, name: str) -> str:
-        return _check_registered(name, "factory.scoring", "SCORERS")
+        return _check_registered(name, "factory.training.scoring", "SCORERS")
 
 
 class AlgorithmSection(Section):
@@ -517,7 +517,7 @@ class AsyncSection(Section):
     expect_filtering: bool = Field(False, description="admission counts a running group as the share of recent "
                                    "groups the zero-variance filter let through, so a step starts what fills its batch "
                                    "in one round instead of refilling filtered slots round by round (η ≥ 1; see "
-                                   "factory/buffer.py)")
+                                   "factory/core/buffer.py)")
     schedule: Literal["fifo", "longest_first"] = Field(
         "fifo", description="which upcoming prompt starts next: in order, or the one predicted to run longest "
         "(from the run's own history of group wall times)")
@@ -557,7 +557,7 @@ class TrainSection(Section):
                               "(Dagster's rl_run_recovery sensor)")
     lora: LoraSection = Field(default_factory=LoraSection)
     threads: Threads = Field("auto", description="the trainer's CPU threads; auto: this node's share by the "
-                             "measured rule in factory/threads.py")
+                             "measured rule in factory/support/threads.py")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the trainer's weights, activations and optimizer live: auto = cuda when the "
         "trainer's node has a GPU (cuda is untested here: no GPU)")

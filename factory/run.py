@@ -25,12 +25,12 @@ import ray
 
 from factory.data.lengths import fit_prompts
 from factory.data.tasks import ReasoningGymSource
-from factory.evaluate import suite_tasks
+from factory.data.heldout import suite_tasks
 from factory.model.sft import base_policy_plan, ensure_base_policy
-from factory.outage import first_line
+from factory.recording.outage import first_line
 from factory.recipe import Recipe
-from factory.failures import RunFailure, SpreadWatch
-from factory.recording import RunRecorder, latest_checkpoint, prune_checkpoints
+from factory.support.failures import RunFailure, SpreadWatch
+from factory.recording.recorder import RunRecorder, latest_checkpoint, prune_checkpoints
 from factory.rewards import verifier_specs
 from factory.runtime.actors import (
     BufferActor, EngineActor, EnvWorkerActor, ScorerActor, killed_on_error, placed,
@@ -42,8 +42,8 @@ from factory.runtime.supervisor import ActorLost, EngineLostDuringSync, Supervis
 from factory.runtime.trainers import start_trainer
 from factory.runtime.transfer import DirBundle, node_ip
 from factory.runtime.weights import WeightPublisher, connect_broadcast, engine_metrics, publish_weights
-from factory.threads import shape_of
-from factory.throughput import WindowedRate
+from factory.support.threads import shape_of
+from factory.support.throughput import WindowedRate
 
 log = logging.getLogger("factory.run")
 

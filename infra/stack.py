@@ -50,7 +50,7 @@ from urllib.parse import urlparse
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from factory import profile  # noqa: E402
+from factory.support import profile  # noqa: E402
 from factory.paths import state_dir  # noqa: E402
 
 PRODUCTION = REPO / "infra" / "production"

@@ -43,8 +43,8 @@ def smoke_recipes() -> list:
 
 
 # what builds the suite's policies: a change to any of it is a new digest (a build, not a copy)
-BUILD_SOURCES = ("factory/model", "factory/data", "factory/envs", "factory/recipe.py", "factory/types.py",
-                 "factory/registry.py", "factory/paths.py", "recipes", "tests/policies.py",
+BUILD_SOURCES = ("factory/model", "factory/data", "factory/envs", "factory/recipe.py", "factory/core/types.py",
+                 "factory/core/registry.py", "factory/paths.py", "recipes", "tests/policies.py",
                  "tests/integration/conftest.py", "tests/integration/test_gsm8k_format.py",
                  "tests/integration/test_shipped_recipes.py")
 
@@ -128,7 +128,7 @@ def main() -> None:
     from tests.integration.conftest import qwen2_recipe, small_recipe
     from tests.integration.test_gsm8k_format import ensure_forgetful_policy, forgetful_policy_key, write_easy_files
 
-    from factory.progress import RunProgress
+    from factory.support.progress import RunProgress
 
     digest = build_digest()
 

@@ -8,7 +8,7 @@ import os
 
 from factory.paths import REPO_ROOT, models_dir, state_dir
 from factory.recipe import load_recipe
-from factory.recording import RunRecorder
+from factory.recording.recorder import RunRecorder
 
 
 def test_record_a_run_in_the_default_state():

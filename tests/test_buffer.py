@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from factory.buffer import StalenessBuffer
-from factory.types import NOT_SAMPLED, Group, Sample, Task
+from factory.core.buffer import StalenessBuffer
+from factory.core.types import NOT_SAMPLED, Group, Sample, Task
 
 _ids = itertools.count()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from factory.data.tasks import ReasoningGymSource
-from factory.evaluate import suite_tasks
+from factory.data.heldout import suite_tasks
 from factory.paths import REPO_ROOT
 from factory.recipe import load_recipe
 from factory.rollout.episodes import summarize
@@ -63,7 +63,7 @@ def test_standard_error_by_hand():
 
 
 def test_chunks_merge_back_in_task_order_whatever_order_they_finished_in():
-    from factory.evaluate import merge_chunks
+    from factory.data.heldout import merge_chunks
 
     finished = {64: ["c", "c2"], 0: ["a", "a2"], 32: ["b"]}  # keyed by each chunk's first task index
     assert merge_chunks(finished) == ["a", "a2", "b", "c", "c2"]

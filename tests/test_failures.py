@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from factory.failures import EpisodeFailure, FailureGate, FailureLog
+from factory.support.failures import EpisodeFailure, FailureGate, FailureLog
 
 
 def failure(i: int = 0, kind: type[Exception] = ValueError) -> EpisodeFailure:
@@ -94,7 +94,7 @@ class Clock:
 
 
 def test_no_reward_spread_warns_once_per_interval_then_stops_the_run():
-    from factory.failures import NoRewardSpread, RunFailure, SpreadWatch
+    from factory.support.failures import NoRewardSpread, RunFailure, SpreadWatch
 
     clock, lines = Clock(), []
     watch = SpreadWatch(60, 900, lines.append, clock)
@@ -123,7 +123,7 @@ def test_no_reward_spread_warns_once_per_interval_then_stops_the_run():
 
 
 def test_the_watch_asks_the_buffer_only_when_a_threshold_may_have_passed():
-    from factory.failures import SpreadWatch
+    from factory.support.failures import SpreadWatch
 
     clock, lines = Clock(), []
     watch = SpreadWatch(60, 900, lines.append, clock)
@@ -146,7 +146,7 @@ def test_the_watch_asks_the_buffer_only_when_a_threshold_may_have_passed():
 
 
 def test_the_line_says_what_became_of_the_groups_and_why_they_had_no_spread():
-    from factory.failures import SpreadWatch
+    from factory.support.failures import SpreadWatch
 
     line = SpreadWatch(60, None, print).message
     assert "algorithm.filter_zero_variance dropped 40 of them and 8 were rejected as stale; the policy may" \
@@ -171,7 +171,7 @@ def test_the_run_watches_only_where_equal_rewards_give_no_gradient():
 
 
 def test_no_signal_s_zero_or_null_never_stops_the_run():
-    from factory.failures import SpreadWatch
+    from factory.support.failures import SpreadWatch
 
     for stop in (0, None):
         clock, lines = Clock(), []

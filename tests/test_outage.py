@@ -1,11 +1,11 @@
-"""factory.outage: the backoff schedule, outage accounting and the deadline, on a scripted clock."""
+"""factory.recording.outage: the backoff schedule, outage accounting and the deadline, on a scripted clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from factory.failures import ServiceOutage
-from factory.outage import Outage, backoff_s, retry
+from factory.support.failures import ServiceOutage
+from factory.recording.outage import Outage, backoff_s, retry
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""The profile switch (factory/profile.py) and the stack's env file (infra/stack.py): pure logic."""
+"""The profile switch (factory/support/profile.py) and the stack's env file (infra/stack.py): pure logic."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from factory import profile
+from factory.support import profile
 from infra.stack import free_port_settings, settings, write_env_file
 
 

@@ -9,9 +9,9 @@ from mlflow import MlflowClient
 
 from factory.lake import TrajectoryWriter, open_catalog, sql
 from factory.recipe import load_recipe
-from factory.recording import RunRecorder
+from factory.recording.recorder import RunRecorder
 from factory.paths import REPO_ROOT
-from factory.tracking import RunTracker, default_tracking_uri
+from factory.recording.tracking import RunTracker, default_tracking_uri
 from tests.lake.rows import sample_row, step_row
 
 
@@ -85,7 +85,7 @@ def test_the_experiment_opens_on_model_training_not_the_genai_view(tmp_path, mon
 
 
 def test_prune_checkpoints_keeps_the_newest_and_never_leaves_a_half_deleted_one(tmp_path):
-    from factory.recording import checkpoints, latest_checkpoint, prune_checkpoints
+    from factory.recording.recorder import checkpoints, latest_checkpoint, prune_checkpoints
 
     folder = tmp_path / "checkpoints"
     for step in (2, 4, 10, 6):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from factory.recipe import RecipeError, recipe_from_dict
-from factory.registry import Registry
+from factory.core.registry import Registry
 from factory.rollout.engines import ENGINES
 
 
@@ -63,7 +63,7 @@ def test_the_recipe_schema_lists_every_registry_so_editors_autocomplete_them():
     from factory.algo.losses import AGGREGATIONS
     from factory.recipe import json_schema
     from factory.rollout.engines import ENGINES
-    from factory.scoring import SCORERS
+    from factory.training.scoring import SCORERS
 
     defs = json_schema()["$defs"]
     algorithm = defs["AlgorithmSection"]["properties"]

@@ -8,7 +8,7 @@ import asyncio
 
 from factory.recipe import Recipe
 from factory.runtime.actors import BufferActor
-from factory.types import Task
+from factory.core.types import Task
 
 
 def buffer_actor(groups_per_step: int = 2, max_staleness: int = 1, lease_s: float = float("inf")):
@@ -70,7 +70,7 @@ def test_a_dead_workers_waiting_acquire_gets_no_group():
 def test_many_tickets_and_reports_per_call_match_one_at_a_time():
     """`acquire_many` hands out the free capacity (up to `most`) in the order single `acquire`s would,
     and `finish_many` settles several groups in one call, in order, waking a waiting acquire."""
-    from factory.types import Group, Sample
+    from factory.core.types import Group, Sample
 
     def group(gid: str, task, rewards: list[float]) -> Group:
         samples = [Sample(f"{gid}-{i}", gid, task.task_id, [1], [2], [-0.1], [1], [0], reward=r)
@@ -105,7 +105,7 @@ def test_many_tickets_and_reports_per_call_match_one_at_a_time():
 
 
 def group_of(gid: str, task, rewards: list[float]):
-    from factory.types import Group, Sample
+    from factory.core.types import Group, Sample
 
     return Group(gid, task, [Sample(f"{gid}-{i}", gid, task.task_id, [1], [2], [-0.1], [1], [0], reward=r)
                              for i, r in enumerate(rewards)])

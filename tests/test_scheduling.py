@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from factory.buffer import StalenessBuffer
-from factory.scheduling import DurationPredictor, LongestFirst
-from factory.types import Task
+from factory.core.buffer import StalenessBuffer
+from factory.core.scheduling import DurationPredictor, LongestFirst
+from factory.core.types import Task
 
 
 def task(i: int, family: str = "f") -> Task:

@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 from factory.lake import sql
 from factory.paths import REPO_ROOT, state_dir
 from factory.recipe import load_recipe
-from factory.recording import RunRecorder
+from factory.recording.recorder import RunRecorder
 from tests.policies import base_policy_names
 
 

@@ -1,9 +1,9 @@
-"""The thread budget's rule (factory/threads.py) and its recipe settings."""
+"""The thread budget's rule (factory/support/threads.py) and its recipe settings."""
 
 import pytest
 
 from factory.recipe import RecipeError, load_recipe
-from factory.threads import DEFAULT_SHAPE, available_cores, resolve, shape_of, thread_split
+from factory.support.threads import DEFAULT_SHAPE, available_cores, resolve, shape_of, thread_split
 
 DEFAULT = "recipes/default.yaml"
 

@@ -1,13 +1,13 @@
-"""Windowed throughput: rates over the last W steps, not since the start (factory.throughput)."""
+"""Windowed throughput: rates over the last W steps, not since the start (factory.support.throughput)."""
 
 from __future__ import annotations
 
 import pytest
 
-from factory.buffer import StalenessBuffer
-from factory.throughput import WindowedRate, window_rates
-from factory.tracking import THROUGHPUT_METRIC, WINDOWED_THROUGHPUT, throughput_plot
-from factory.types import Group, Sample, Task
+from factory.core.buffer import StalenessBuffer
+from factory.support.throughput import WindowedRate, window_rates
+from factory.recording.tracking import THROUGHPUT_METRIC, WINDOWED_THROUGHPUT, throughput_plot
+from factory.core.types import Group, Sample, Task
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from mlflow import MlflowClient
 
-from factory.tracking import RunTracker, default_tracking_uri, flatten_params, mlflow_key
+from factory.recording.tracking import RunTracker, default_tracking_uri, flatten_params, mlflow_key
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -241,7 +241,7 @@ def test_a_server_outage_shorter_than_the_deadline_is_waited_out_and_every_step_
 def test_a_server_outage_past_the_deadline_stops_with_one_line_and_keeps_the_batches(server, tmp_path):
     import time
 
-    from factory.failures import ServiceOutage
+    from factory.support.failures import ServiceOutage
 
     spill = tmp_path / "tracking-spill.jsonl"
     tracker = RunTracker(server.uri, outage_deadline_s=0.5, spill_path=spill, max_queued=100)
@@ -269,7 +269,7 @@ def test_a_server_outage_past_the_deadline_stops_with_one_line_and_keeps_the_bat
 
 
 def test_the_ui_hint_is_a_servers_url_or_the_command_that_serves_a_local_store():
-    from factory.tracking import ui_hint
+    from factory.recording.tracking import ui_hint
 
     assert ui_hint("http://user:secret@10.0.0.5:5000") == "http://user:***@10.0.0.5:5000"
     assert ui_hint("sqlite:////s/mlflow.db", "/v/bin/mlflow") == \

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from factory.registry import Registry
-from factory.types import Sample
+from factory.core.registry import Registry
+from factory.core.types import Sample
 
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
 

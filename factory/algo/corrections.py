@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import torch
 
-from factory.registry import Registry
+from factory.core.registry import Registry
 from factory.algo.losses import LossContext
-from factory.types import NOT_SAMPLED
+from factory.core.types import NOT_SAMPLED
 
 
 @dataclass

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from factory.registry import Registry
+from factory.core.registry import Registry
 
 KlEstimatorFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from factory.registry import Registry
+from factory.core.registry import Registry
 from factory.algo.kl import kl_penalty
 
 
@@ -68,7 +68,7 @@ AGGREGATIONS: Registry[AggregationFn] = Registry("aggregation")
 
 # What each aggregation divides by, as a function of the mask: an aggregation is (a sum of per-sample
 # terms) / denominator, so a batch split into micro-batches (or across trainer ranks) is reassembled
-# exactly as sum_m agg_m * den_m / sum_m den_m (`factory.trainer`). A new aggregation registers one.
+# exactly as sum_m agg_m * den_m / sum_m den_m (`factory.training.trainer`). A new aggregation registers one.
 AGGREGATION_DENOMINATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 
 

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from factory.types import Task
+from factory.core.types import Task
 
 CODE_FAMILY = "code_tasks"
 DEFAULT_PATH = Path(__file__).with_name("code_tasks.jsonl")

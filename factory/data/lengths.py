@@ -16,7 +16,7 @@ from pathlib import Path
 
 from factory.model.tokens import encode_chats, load_tokenizer
 from factory.recipe import RecipeError
-from factory.types import Task
+from factory.core.types import Task
 
 log = logging.getLogger("factory.data")
 

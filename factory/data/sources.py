@@ -30,7 +30,7 @@ from typing import Any
 from factory.paths import REPO_ROOT
 from factory.rewards.extract import extract
 from factory.rewards.verifiers import VERIFIERS, spec_problems, with_defaults
-from factory.types import Task
+from factory.core.types import Task
 
 _CHAT_ROLES = ("system", "user", "assistant")
 _rows_cache: dict[tuple, tuple[list[dict[str, Any]], list[str]]] = {}

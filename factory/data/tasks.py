@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from factory.data.code_tasks import CODE_FAMILY, code_family_tasks
 from factory.data.sources import FileTaskSource
-from factory.types import Task
+from factory.core.types import Task
 
 # Families that are not reasoning-gym datasets: name -> (config, split, seed) -> that split's tasks
 LOCAL_FAMILIES: dict[str, Callable[[dict[str, Any], str, int], list[Task]]] = {CODE_FAMILY: code_family_tasks}

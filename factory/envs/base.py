@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from collections.abc import Callable
 
-from factory.registry import Registry
-from factory.types import Task
+from factory.core.registry import Registry
+from factory.core.types import Task
 
 
 @dataclass

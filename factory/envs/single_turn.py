@@ -12,7 +12,7 @@ from factory.envs.base import EpisodeResult, register_environment, task_messages
 from factory.envs.sandboxes import EnvSandbox
 from factory.recipe import EnvironmentSection
 from factory.rewards import score_answer
-from factory.types import Task
+from factory.core.types import Task
 
 
 @register_environment("single_turn")

@@ -24,7 +24,7 @@ from factory.envs.sandboxes import EnvSandbox
 from factory.recipe import EnvironmentSection
 from factory.rewards import score_answer
 from factory.sandbox import Program, Result
-from factory.types import Task
+from factory.core.types import Task
 
 RUN_PYTHON = {
     "type": "function",

@@ -1,7 +1,7 @@
 """Open the lake's Iceberg catalog and make sure its tables exist.
 
 Default (embedded profile): a PyIceberg SqlCatalog on SQLite at `<state>/lake/catalog.db` with the
-warehouse at `file://<state>/lake/warehouse`. The production profile (`factory.profile`): a SQL
+warehouse at `file://<state>/lake/warehouse`. The production profile (`factory.support.profile`): a SQL
 catalog on PostgreSQL with the warehouse on S3. Any other PyIceberg catalog is given as properties,
 e.g. `{"type": "rest", "uri": "http://…", "warehouse": "s3://…"}`.
 
@@ -24,9 +24,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError, ProgrammingError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from factory import profile
+from factory.support import profile
 from factory.lake.schemas import NAMESPACE, TABLES, TableSpec
-from factory.outage import Outage, retry
+from factory.recording.outage import Outage, retry
 from factory.paths import state_dir
 
 CATALOG_NAME = "factory"

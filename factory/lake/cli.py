@@ -13,7 +13,7 @@ import pyiceberg.exceptions
 from sqlalchemy.exc import SQLAlchemyError
 
 from factory.lake.query import LakeQueryError
-from factory.outage import first_line
+from factory.recording.outage import first_line
 
 # Errors a user can cause (bad SQL, unreachable or malformed catalog): one line, no traceback.
 _USER_ERRORS = (LakeQueryError, ValueError, OSError, SQLAlchemyError, pyiceberg.exceptions.NoSuchTableError,

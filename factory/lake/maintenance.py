@@ -23,7 +23,7 @@ from pyiceberg.manifest import ManifestFile
 from pyiceberg.table import Table
 
 from factory.lake.schemas import NAMESPACE, TABLES
-from factory.outage import backoff_s
+from factory.recording.outage import backoff_s
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pyiceberg.catalog import Catalog
 
 from factory.lake.catalog import open_catalog
 from factory.lake.schemas import NAMESPACE, TABLES
-from factory.outage import first_line
+from factory.recording.outage import first_line
 
 
 class LakeQueryError(ValueError):

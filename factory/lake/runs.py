@@ -128,7 +128,7 @@ def _mlflow_status(run_id: str | None) -> str:
     if not run_id:
         return "—"
     try:
-        from factory.tracking import RunTracker
+        from factory.recording.tracking import RunTracker
 
         run = RunTracker().client.get_run(run_id)
         return f"{run_id} ({run.info.status})"
@@ -183,7 +183,7 @@ def cmd_compare(args) -> int:
 def add_runs_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add `runs list|show|compare` to a `factory` CLI's subparsers (each sets `fn`)."""
     from factory.lake.cli import _USER_ERRORS, _fail, _open, catalog_arguments
-    from factory.outage import first_line
+    from factory.recording.outage import first_line
 
     def guarded(fn):
         def call(args) -> int:

@@ -9,7 +9,7 @@
 | checkpoints  | saved checkpoint                     | run_id, step            | run_id         |
 
 Token-level columns of `samples` (`completion_ids`, `logprobs`, `versions`, `loss_mask`) are
-aligned: element i of each describes completion token i (see `factory.types.Sample`).
+aligned: element i of each describes completion token i (see `factory.core.types.Sample`).
 `tasks.dataset` is the fingerprint of the recipe's `data` section and of each file source's rows
 (`factory.data.tasks.dataset_fingerprint`; runs name it in `runs.origin`): task ids like
 `basic_arithmetic/train/0` repeat across datasets, so they are unique only within one.

@@ -27,7 +27,7 @@ and checks (by `factory.batch`) that the batch did not land, so a commit whose r
 not written twice.
 
 Outages of the catalog (its database) or the object store are retried with backoff and jitter
-(`factory.outage`) for up to `outage_deadline_s`; reads the caller makes (committed keys, positions,
+(`factory.recording.outage`) for up to `outage_deadline_s`; reads the caller makes (committed keys, positions,
 snapshot ids) wait the same way. Meanwhile `append` keeps accepting rows: at most
 `max_pending_bytes` wait in memory, the rest spill to `spill_dir` as Arrow files, committed (one
 commit each, oldest first) once the service answers. `lake/outage_s` reports the time spent in
@@ -58,12 +58,12 @@ from pyiceberg.exceptions import CommitFailedException, ValidationError, Validat
 from pyiceberg.expressions import AlwaysTrue, And, BooleanExpression, EqualTo, GreaterThan, GreaterThanOrEqual
 from pyiceberg.table import Table
 
-from factory.failures import ServiceOutage
+from factory.support.failures import ServiceOutage
 from factory.lake.catalog import open_catalog, service_of, transient
 from factory.lake.maintenance import expire_snapshots
 from factory.lake.schemas import NAMESPACE, TABLES, TableSpec, table_spec
-from factory.outage import Outage, backoff_s, first_line, retry
-from factory.types import Batch, Sample
+from factory.recording.outage import Outage, backoff_s, first_line, retry
+from factory.core.types import Batch, Sample
 
 T = TypeVar("T")
 

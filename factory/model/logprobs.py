@@ -1,5 +1,5 @@
 """Token logprobs of completions under a causal LM, from Samples: what the trainer optimises and what
-a scorer (e.g. a distillation teacher, factory/scoring.py) grades with. Shared here so neither of
+a scorer (e.g. a distillation teacher, factory/training/scoring.py) grades with. Shared here so neither of
 those imports the other.
 
 Lean by construction: the model's body runs once, then only the hidden states of completion
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from factory.types import NOT_SAMPLED, Sample
+from factory.core.types import NOT_SAMPLED, Sample
 
 DEFAULT_CHUNK_TOKENS = 512
 

@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from factory.types import Task
+from factory.core.types import Task
 
 
 def verifier_spec(task: Task) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from factory.sandbox.base import Limits, Program
-from factory.types import Task
+from factory.core.types import Task
 
 CASE_TIMEOUT_S = 3.0  # one test case's alarm inside the sandbox
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from factory.registry import Registry
+from factory.core.registry import Registry
 
 Extractor = Callable[[str], str | None]
 

@@ -30,9 +30,9 @@ from fractions import Fraction
 from functools import cache
 from typing import Any
 
-from factory.registry import Registry
+from factory.core.registry import Registry
 from factory.rewards.extract import EXTRACTORS, extract
-from factory.types import Task
+from factory.core.types import Task
 
 REQUIRED = object()  # an option without a default
 

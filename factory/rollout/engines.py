@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
-from factory.registry import Registry
+from factory.core.registry import Registry
 
 PARTIAL_ROLLOUTS = ("wait", "abort_resume", "inflight")
 WEIGHT_SYNCS = ("broadcast", "disk", "lora")
@@ -32,11 +32,11 @@ class EngineBuild:
     lora_rank: int = 0
     url: str | None = None  # attach to this running server instead of starting one
     host: str = "127.0.0.1"  # the address a started server binds
-    shape: dict | None = None  # the run's shape, for rollout.cpus=auto (factory/threads.py)
+    shape: dict | None = None  # the run's shape, for rollout.cpus=auto (factory/support/threads.py)
 
     @property
     def threads(self) -> int:
-        from factory.threads import resolve
+        from factory.support.threads import resolve
 
         return resolve(self.rollout.cpus, "engine", self.shape)
 

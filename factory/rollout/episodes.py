@@ -11,7 +11,7 @@ import httpx
 
 from factory.envs.base import EpisodeResult
 from factory.rollout.gateway import Gateway
-from factory.types import Group, Sample, Task
+from factory.core.types import Group, Sample, Task
 
 
 @dataclass

@@ -43,7 +43,7 @@ from fastapi.responses import JSONResponse
 
 from factory.model.tokens import encode_chat, encode_continuation
 from factory.rollout.engine import Generation, SamplingParams
-from factory.types import NOT_SAMPLED, Sample
+from factory.core.types import NOT_SAMPLED, Sample
 
 if TYPE_CHECKING:
     import uvicorn

@@ -16,7 +16,7 @@ import torch
 from factory.rollout.engine import AdmissionGate, Generation, SamplingParams
 
 if TYPE_CHECKING:
-    from factory.weightsync import WeightReceiver
+    from factory.model.weightsync import WeightReceiver
 
 
 class HFEngine:
@@ -102,7 +102,7 @@ class HFEngine:
 
     async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str,
                              local_host: str = "127.0.0.1", backend: str = "gloo") -> None:
-        from factory.weightsync import WeightReceiver
+        from factory.model.weightsync import WeightReceiver
 
         self._receiver = await asyncio.to_thread(WeightReceiver, host, port, rank, world_size, plan_json,
                                                  local_host=local_host, backend=backend)

@@ -190,7 +190,7 @@ class SGLangEngine(ServerClient):
         self.partial = partial_rollout
         self._owns_server = server is None
         if server is None:
-            from factory.devices import resolve_device
+            from factory.support.devices import resolve_device
 
             server = SGLangServer(model, dtype=dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                                   threads=threads, log_path=log_path, host=host, device=resolve_device(device),
@@ -387,7 +387,7 @@ class SGLangEngine(ServerClient):
 
     async def init_broadcast(self, host: str, port: int, rank: int, world_size: int, plan_json: str,
                              local_host: str = "127.0.0.1", backend: str = "gloo") -> None:
-        """Join the trainer's weight group (factory.weightsync) from inside the server's scheduler."""
+        """Join the trainer's weight group (factory.model.weightsync) from inside the server's scheduler."""
         args = {"host": host, "port": int(port), "rank": int(rank), "world_size": int(world_size),
                 "plan_json": plan_json, "local_host": local_host, "backend": backend}
         await self._loader_call("join_group", args, flush_cache=False)

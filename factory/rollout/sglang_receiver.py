@@ -2,12 +2,12 @@
 
 SGLang's own broadcast (`/init_weights_update_group` + `/update_weights_from_distributed`) builds
 its group through torch's process-group helper, whose rendezvous keys (`<group>/<group>//cpu//…`)
-differ from the private group `factory.weightsync` builds on the trainer (`factory-weights/…`), so
+differ from the private group `factory.model.weightsync` builds on the trainer (`factory-weights/…`), so
 the two sides never meet. Instead, the two functions below are SGLang *custom weight loaders*
 (server flag `--custom-weight-loader`), called through `/update_weights_from_tensor` with
-`load_format=<their import path>`; they join the trainer's group with `factory.weightsync`'s own
+`load_format=<their import path>`; they join the trainer's group with `factory.model.weightsync`'s own
 receiver and load what it receives with the model's `load_weights` — the same role vLLM's worker
-extension plays. Only torch and factory.weightsync are imported here (SGLang's venv has no more
+extension plays. Only torch and factory.model.weightsync are imported here (SGLang's venv has no more
 of factory's dependencies).
 
 That endpoint only takes named tensors (pickled; its unpickler allows torch types only), so the
@@ -23,7 +23,7 @@ _receiver = None  # one weight group per server process
 
 def join_group(model, named_tensors) -> None:
     """Join the trainer's weight group (blocks until every rank has joined)."""
-    from factory.weightsync import WeightReceiver
+    from factory.model.weightsync import WeightReceiver
 
     global _receiver
     args = json.loads(named_tensors[0][0])

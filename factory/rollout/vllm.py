@@ -141,7 +141,7 @@ class VLLMServer(ServerProcess):
             sys.executable, "-m", SERVER_MODULE,
             "--model", model, "--host", host, "--port", str(self.port),
             "--dtype", dtype, *cpu_args, "--max-model-len", str(max_model_len),
-            "--worker-extension-cls", "factory.weightsync.WeightReceiverExtension",
+            "--worker-extension-cls", "factory.model.weightsync.WeightReceiverExtension",
             # no access-log line per request: tens a step, for days, in the server's log
             "--disable-log-stats", "--disable-uvicorn-access-log", "--logprobs-mode", "processed_logprobs",
             "--enable-scale-out",  # /inference/v1/generate with per-token weight versions (inflight mode)
@@ -227,7 +227,7 @@ class VLLMEngine(ServerClient):
         self.partial = partial_rollout
         self._owns_server = server is None
         if server is None:
-            from factory.devices import resolve_device
+            from factory.support.devices import resolve_device
 
             server = VLLMServer(model, dtype=dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                                 threads=threads, log_path=log_path, extra_args=list(extra_args), host=host,
@@ -523,7 +523,7 @@ class VLLMEngine(ServerClient):
                                       timeout=timeout + 10)
         if resp.status_code == 404:
             raise RuntimeError(f"the vLLM server at {self.url} has no /collective_rpc: start it with "
-                               "VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls factory.weightsync."
+                               "VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls factory.model.weightsync."
                                "WeightReceiverExtension (`factory serve` does both)")
         check_response(resp, f"vLLM worker call {method}")
         return resp.json().get("results") if resp.content else None

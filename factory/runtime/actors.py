@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from factory.outage import first_line
+from factory.recording.outage import first_line
 from factory.paths import cache_dir
 from factory.runtime.transfer import DirBundle, local_dir, node_ip
-from factory.types import Batch, Group, Task
+from factory.core.types import Batch, Group, Task
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from factory.recipe import AlgorithmSection, AsyncSection, FailuresSection, TrainSection
-    from factory.trainer import Trainer
-    from factory.weightsync import BucketPlan, WeightBroadcaster
+    from factory.training.trainer import Trainer
+    from factory.model.weightsync import BucketPlan, WeightBroadcaster
 
 
 def placed(actor_class, resources: dict[str, float] | None = None, **options):
@@ -271,7 +271,7 @@ class RemoteEngine:
             results = await asyncio.wait_for(ref, self.deadline_s)
         except TimeoutError:
             ray.cancel(ref)
-            from factory.failures import DeadlineExceeded
+            from factory.support.failures import DeadlineExceeded
 
             results = [DeadlineExceeded(f"engine call {request[2]}: no generation within deadlines.engine_call_s="
                                         f"{self.deadline_s:g} s (is the engine stalled or overloaded?)")
@@ -318,10 +318,10 @@ class BufferActor(Placed):
     def __init__(self, run_id: str, tasks: list[Task], async_: AsyncSection, train: TrainSection,
                  algorithm: AlgorithmSection, failures: FailuresSection, keep_discarded: bool = False,
                  lease_s: float = float("inf")):
-        from factory.buffer import StalenessBuffer
+        from factory.core.buffer import StalenessBuffer
         from factory.data.tasks import TaskSampler
-        from factory.failures import FailureGate
-        from factory.scheduling import DurationPredictor, LongestFirst
+        from factory.support.failures import FailureGate
+        from factory.core.scheduling import DurationPredictor, LongestFirst
 
         self.run_id = run_id
         self.buffer = StalenessBuffer(train.groups_per_step, async_.max_staleness, async_.max_inflight_groups,
@@ -491,7 +491,7 @@ class BufferActor(Placed):
     async def get_batch(self) -> Batch | None:
         """The next batch; None once stopped. Raises EnvironmentFailure once failed groups pass the
         recipe's `failures` limits."""
-        from factory.failures import EnvironmentFailure
+        from factory.support.failures import EnvironmentFailure
 
         async with self.changed:
             await self.changed.wait_for(lambda: self.stopped or self.gate.tripped or self.buffer.ready())
@@ -562,11 +562,11 @@ class EnvWorkerActor(Placed):
 
     def __init__(self, model: str | DirBundle, environment, rollout, engines: list, buffer, failures=None,
                  deadlines=None, owner: str = "w0", verifiers: Sequence[Mapping] = ()):
-        from factory.lean_imports import lean_transformers
+        from factory.support.lean_imports import lean_transformers
 
         lean_transformers()
         from factory.envs.base import make_environment
-        from factory.failures import FailureLog
+        from factory.support.failures import FailureLog
         from factory.model.tokens import load_tokenizer
         from factory.recipe import DeadlinesSection, FailuresSection
         from factory.rollout.engine import SamplingParams
@@ -629,7 +629,7 @@ class EnvWorkerActor(Placed):
             self.running.pop(group_id, None)
 
     async def _run_and_report(self, group_id: str, task: Task, lease: int) -> None:
-        from factory.failures import EpisodeFailure
+        from factory.support.failures import EpisodeFailure
 
         t0 = time.perf_counter()
         failure = None
@@ -724,7 +724,7 @@ class EnvWorkerActor(Placed):
 
 
 def _trainer(*args, **kwargs) -> Trainer:
-    from factory.trainer import Trainer
+    from factory.training.trainer import Trainer
 
     return Trainer(*args, **kwargs)
 
@@ -751,15 +751,15 @@ class TrainerActor(Placed):
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: the trainer ranks' store, listening on this node's address; (address, port)."""
-        from factory.weightsync import open_rendezvous
+        from factory.model.weightsync import open_rendezvous
 
         self._store, port = open_rendezvous(node_ip(), self.world_size, 600.0)
         return node_ip(), port
 
     def join(self, host: str, port: int) -> None:
         """Form the ranks' process group (gloo on CPU, NCCL on CUDA), then build this rank's trainer."""
-        from factory.devices import resolve_device
-        from factory.parallel import init_trainer_group
+        from factory.support.devices import resolve_device
+        from factory.training.parallel import init_trainer_group
 
         backend = "nccl" if resolve_device(self.args[2].device) == "cuda" else "gloo"
         init_trainer_group(self.rank, self.world_size, host, port, backend, node_ip(), store=self._store)
@@ -772,7 +772,7 @@ class TrainerActor(Placed):
             try:
                 self.warm_up_s = self.trainer.warm_up()
             except Exception as err:  # noqa: BLE001  (nobody waits for this call: say it, train cold)
-                from factory.outage import first_line
+                from factory.recording.outage import first_line
 
                 logging.getLogger(__name__).warning("trainer warm-up failed (%s: %s); step 1 pays the first "
                                                     "pass's costs", type(err).__name__, first_line(err))
@@ -782,7 +782,7 @@ class TrainerActor(Placed):
         return self.trainer.threads
 
     def plan_json(self) -> str:
-        from factory.weightsync import BucketPlan
+        from factory.model.weightsync import BucketPlan
 
         self.plan = BucketPlan.for_state(self.trainer.weight_shapes(), self.trainer.serving_dtype, self.bucket_bytes)
         return self.plan.to_json()
@@ -795,7 +795,7 @@ class TrainerActor(Placed):
 
     def open_broadcast(self, world_size: int, backend: str) -> tuple[str, int] | None:
         """Rank 0: start the rendezvous on this node's own address; returns (address, port) for the receivers."""
-        from factory.weightsync import WeightBroadcaster
+        from factory.model.weightsync import WeightBroadcaster
 
         if self.rank:
             return None
@@ -845,7 +845,7 @@ class TrainerActor(Placed):
 
     def weight_checksum(self, name: str, dtype: str) -> float:
         """Sum (in float32) of one weight rounded to `dtype`: what an engine serving that dtype must hold."""
-        from factory.weightsync import DTYPES
+        from factory.model.weightsync import DTYPES
 
         weight = next(t for n, t in self.trainer.weight_items() if n == name)  # every rank stops at the same name
         return float(weight.to(DTYPES[dtype]).float().sum())
@@ -873,7 +873,7 @@ class ScorerActor(Placed):
     model as a DirBundle (shipped by the run) or a path on this node."""
 
     def __init__(self, distill, rollout, teacher: str | DirBundle):
-        from factory.scoring import make_scorer
+        from factory.training.scoring import make_scorer
 
         local = local_dir(teacher, "algorithm.distill.teacher")
         scorer = make_scorer(distill.model_copy(update={"teacher": local}), rollout)
@@ -882,6 +882,6 @@ class ScorerActor(Placed):
         self.scorer = scorer
 
     def score(self, batch: Batch):
-        from factory.scoring import score_batch
+        from factory.training.scoring import score_batch
 
         return score_batch(self.scorer, batch)

@@ -21,7 +21,7 @@ def local_ray(num_cpus: int = 8):
     os.environ.setdefault("RAY_worker_niceness", "0")
     started = False
     if not ray.is_initialized():
-        from factory import profile
+        from factory.support import profile
 
         address = profile.ray_address()
         # Ray reads that variable once, at `import ray` (usually before this runs): without this,

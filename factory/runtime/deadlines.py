@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import ray
 
-from factory.failures import DeadlineExceeded, RunFailure
+from factory.support.failures import DeadlineExceeded, RunFailure
 
 
 class Deadline:

@@ -1,5 +1,5 @@
 """Evaluation on the cluster: episodes of a task suite spread over env workers (the run's own, or an
-engine and worker stood up for one checkpoint). Which tasks, and how results merge: factory/evaluate.py.
+engine and worker stood up for one checkpoint). Which tasks, and how results merge: factory/data/heldout.py.
 
 `evaluate_workers` is what the run loop calls with its own env workers; `evaluate_checkpoint`
 stands up its own engine (or attaches to running ones by URL) and env worker, so a checkpoint can be
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import ray
 
-from factory.evaluate import merge_chunks, suite_tasks, tasks_digest
+from factory.data.heldout import merge_chunks, suite_tasks, tasks_digest
 from factory.recipe import Recipe
 from factory.rewards import verifier_specs
 from factory.rollout.episodes import summarize
@@ -22,7 +22,7 @@ from factory.runtime.actors import EngineActor, EnvWorkerActor, placed
 from factory.runtime.cluster import local_ray
 from factory.runtime.deadlines import Deadline
 from factory.runtime.transfer import DirBundle
-from factory.threads import shape_of
+from factory.support.threads import shape_of
 
 CHUNK = 32  # tasks per call: progress moves every CHUNK episodes
 IN_FLIGHT = 4  # calls per worker at once: CHUNK * IN_FLIGHT episodes in flight, as before in one call

@@ -32,8 +32,8 @@ from typing import Any
 
 import ray
 
-from factory.failures import RunFailure
-from factory.outage import first_line
+from factory.support.failures import RunFailure
+from factory.recording.outage import first_line
 from factory.runtime.transient import backoff, transient
 from factory.runtime.weights import connect_broadcast, publish_weights
 

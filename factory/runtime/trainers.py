@@ -20,7 +20,7 @@ from factory.runtime.transfer import DirBundle
 def _combine(how: str, *results):
     """One result for the ranks' results of one call (Ray hands this task their values)."""
     if how == "metrics":  # each rank's step metrics: one step's
-        from factory.parallel import step_metrics_merge
+        from factory.training.parallel import step_metrics_merge
 
         return step_metrics_merge(list(results))
     if how == "bundles":  # each rank's part of a checkpoint (its shard files): one directory

@@ -16,7 +16,7 @@ from factory.sandbox.base import (
 )
 from factory.sandbox.images import build_image
 from factory.sandbox.pool import SandboxPool
-from factory.registry import Registry
+from factory.core.registry import Registry
 
 
 

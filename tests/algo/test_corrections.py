@@ -16,7 +16,7 @@ from factory.algo import (
     register_correction,
 )
 from factory.algo.corrections import proximal_logp, stale_tokens, token_staleness, version_spread_metrics
-from factory.types import NOT_SAMPLED
+from factory.core.types import NOT_SAMPLED
 
 LN = math.log
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from factory.algo import distillation_advantages
-from factory.scoring import make_scorer
-from factory.types import Sample
+from factory.training.scoring import make_scorer
+from factory.core.types import Sample
 
 
 def sample(teacher, mask=(1, 1, 0)):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from factory.algo.losses import AGGREGATIONS
-from factory.parallel import padding_share, plan_micro_batches, step_metrics_merge
+from factory.training.parallel import padding_share, plan_micro_batches, step_metrics_merge
 from factory.recipe import recipe_from_dict
-from factory.types import Batch, Group, Sample, Task
+from factory.core.types import Batch, Group, Sample, Task
 
 from .conftest import tiny_model_dir
 
@@ -24,7 +24,7 @@ def model_path(tmp_path_factory):
 
 
 def trainer_for(model_path, *overrides):
-    from factory.trainer import Trainer
+    from factory.training.trainer import Trainer
 
     recipe = recipe_from_dict({}, overrides=["rollout.max_new_tokens=12", "train.lr=1e-2", *overrides])
     return Trainer(model_path, recipe.algorithm, recipe.train, recipe.rollout)
@@ -171,7 +171,7 @@ def test_activation_checkpointing_gives_the_same_gradients(model_path):
 
 
 def test_a_model_without_decoder_blocks_is_a_one_line_error():
-    from factory.parallel import TrainerSetupError, decoder_blocks
+    from factory.training.parallel import TrainerSetupError, decoder_blocks
 
     class Body(torch.nn.Module):
         pass

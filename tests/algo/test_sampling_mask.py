@@ -6,7 +6,7 @@ import torch
 
 from factory.rollout.engine import support_from
 from factory.model.logprobs import completion_logprobs, pad_samples
-from factory.types import Sample
+from factory.core.types import Sample
 
 
 class Table(torch.nn.Module):

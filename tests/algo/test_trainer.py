@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from factory.recipe import recipe_from_dict
-from factory.types import NOT_SAMPLED, Batch, Group, Sample, Task
+from factory.core.types import NOT_SAMPLED, Batch, Group, Sample, Task
 
 from .conftest import tiny_model_dir
 
@@ -23,7 +23,7 @@ def model_path(tmp_path_factory):
 
 
 def trainer_for(model_path, *overrides):
-    from factory.trainer import Trainer
+    from factory.training.trainer import Trainer
 
     recipe = recipe_from_dict({}, overrides=["rollout.max_new_tokens=4", *overrides])
     return Trainer(model_path, recipe.algorithm, recipe.train, recipe.rollout)

@@ -134,7 +134,7 @@ def test_evaluation_sensor_and_schedule_request_the_new_checkpoint(defs, instanc
 def test_a_run_failed_by_its_environment_is_not_relaunched(defs, instance, monkeypatch):
     """An environment failing past the recipe's `failures` limits needs a fix, not a restart."""
     import factory.run
-    from factory.failures import EnvironmentFailure
+    from factory.support.failures import EnvironmentFailure
 
     def broken_environment(*args, **kwargs):
         raise EnvironmentFailure("environment 'broken': 3 of 3 groups failed, 3 in a row (failures.max_in_a_row=3)")

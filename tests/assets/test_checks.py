@@ -7,7 +7,7 @@ from assets.training import rl_run
 from factory.lake import TrajectoryWriter, open_catalog, sample_rows
 from factory.paths import REPO_ROOT
 from factory.recipe import load_recipe
-from factory.types import Batch, Group, Sample, Task
+from factory.core.types import Batch, Group, Sample, Task
 
 
 def sample(sample_id: str, versions: list[int]) -> Sample:

@@ -7,7 +7,7 @@ import dagster as dg
 from assets.evaluation import evaluation
 from assets.resources import resources_for
 from assets.runs import RL_RUNS, run_dir
-from factory.evaluate import suite_tasks, tasks_digest
+from factory.data.heldout import suite_tasks, tasks_digest
 from factory.lake import TrajectoryWriter
 from factory.paths import REPO_ROOT
 from factory.recipe import load_recipe

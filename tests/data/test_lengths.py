@@ -17,7 +17,7 @@ from factory.data.tasks import ReasoningGymSource, dataset_fingerprint
 from factory.model.tiny import build_tokenizer
 from factory.model.tokens import encode_chat, load_tokenizer
 from factory.recipe import RecipeError, recipe_from_dict
-from factory.types import Task
+from factory.core.types import Task
 
 LIMIT = 256 - 8  # the default rollout.max_model_len - rollout.max_new_tokens
 ERROR_END = "raise rollout.max_model_len, lower rollout.max_new_tokens, or set data.overlong: drop | truncate"

@@ -223,7 +223,7 @@ def test_the_fingerprint_follows_the_rows_not_the_file(tmp_path):
 
 
 def test_a_runs_origin_names_its_dataset(tmp_path):
-    from factory import lineage
+    from factory.recording import lineage
 
     train = write_jsonl(tmp_path / "train.jsonl", ROWS)
     spec = {"name": "mine", "kind": "jsonl", "path": str(train), **GSM8K, "heldout": {"size": 1}}

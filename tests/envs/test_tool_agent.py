@@ -17,7 +17,7 @@ from factory.rollout.engine import SamplingParams
 from factory.rollout.episodes import EpisodeRunner
 from factory.rollout.gateway import Gateway
 from factory.sandbox import Result, SandboxUnavailable
-from factory.types import NOT_SAMPLED, Task
+from factory.core.types import NOT_SAMPLED, Task
 
 from ..rollout.test_gateway import ScriptedEngine, ids_of
 

@@ -166,7 +166,7 @@ class LateProxy:
 
 OPEN_THE_LAKE = """
 import json, time
-from factory.failures import ServiceOutage
+from factory.support.failures import ServiceOutage
 from factory.lake import open_catalog
 from factory.lake.catalog import transient
 out = {}
@@ -191,7 +191,7 @@ print(json.dumps(out), flush=True)
 
 def test_a_run_opening_the_lake_while_postgres_is_down_waits_for_it(stack):
     """What a run does first: open the production lake's catalog (`open_catalog(outage_deadline_s=…)`, as
-    factory/recording.py calls it), here in a process of the profile whose catalog is reached through a
+    factory/recording/recorder.py calls it), here in a process of the profile whose catalog is reached through a
     loopback port that refuses connections (as while Postgres restarts) until 1.5 s after the last open
     begins. Without a deadline the first refusal raises; with 1 s the open ends in one line naming the
     catalog, password hidden; with 60 s it waits for the port and finds the tables."""

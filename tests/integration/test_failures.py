@@ -9,7 +9,7 @@ import httpx
 import pytest
 import ray
 
-from factory.failures import DeadlineExceeded, EnvironmentFailure
+from factory.support.failures import DeadlineExceeded, EnvironmentFailure
 from factory.run import run
 
 from .conftest import small_recipe

@@ -132,7 +132,7 @@ def build_forgetful_policy(policy, easy_files, out, seed: int = 0, sft_steps: in
 
 def test_the_gsm8k_layout_recipe_trains_on_its_file_source_and_raises_heldout_accuracy(
         engine, easy_files, forgetful_policy, tmp_path):
-    from factory import lineage
+    from factory.recording import lineage
     from factory.data.tasks import ReasoningGymSource, dataset_fingerprint
     from factory.rewards.extract import gsm8k_final
     from factory.rewards.verifiers import numeric_match

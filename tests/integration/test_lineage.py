@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from mlflow import MlflowClient
 
-from factory import lineage
+from factory.recording import lineage
 from factory.lake import open_catalog, sql
 from factory.paths import REPO_ROOT
 from factory.recipe import load_recipe

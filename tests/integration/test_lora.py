@@ -9,7 +9,7 @@ import ray
 
 from factory.run import publish_weights, run
 from factory.runtime.actors import EngineActor, TrainerActor
-from factory.types import Batch, Group, Task
+from factory.core.types import Batch, Group, Task
 
 from .conftest import small_recipe
 from .test_weight_sync import check_against_bf16, diffs, sample_engine

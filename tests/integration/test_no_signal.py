@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from factory.failures import RunFailure
+from factory.support.failures import RunFailure
 from factory.run import run
 
 from .conftest import FILTER_ON, small_recipe

@@ -15,7 +15,7 @@ from factory.cli import main
 from factory.rollout.engine import SamplingParams
 from factory.run import connect_broadcast, publish_weights, run
 from factory.runtime.actors import TrainerActor
-from factory.types import Batch, Group, Task
+from factory.core.types import Batch, Group, Task
 
 from .conftest import qwen2_recipe
 from .test_weight_sync import UNPACKED, check_against_bf16, check_weights_exact, sample_engine

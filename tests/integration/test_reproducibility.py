@@ -11,7 +11,7 @@ from pyiceberg.expressions import And, EqualTo
 
 from factory.cli import main
 from factory.lake.catalog import open_catalog
-from factory.replay import replay
+from factory.recording.replay import replay
 from factory.run import run
 
 from .conftest import FILTER_ON, small_recipe

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from factory.run import run
-from factory.threads import DEFAULT_SHAPE, available_cores, thread_split
+from factory.support.threads import DEFAULT_SHAPE, available_cores, thread_split
 
 from .conftest import small_recipe
 
@@ -46,7 +46,7 @@ def test_no_trained_sample_is_older_than_eta(engine, tmp_path, eta):
 
 def test_evaluate_checkpoint_scores_a_saved_policy(engine, tmp_path):
     from factory.data.tasks import ReasoningGymSource
-    from factory.evaluate import suite_tasks, tasks_digest
+    from factory.data.heldout import suite_tasks, tasks_digest
     from factory.runtime.evaluation import evaluate_checkpoint
 
     recipe = small_recipe("train.steps=2", "eval.heldout=48")

@@ -13,7 +13,7 @@ from safetensors.torch import load
 from factory.run import run
 from factory.runtime.trainers import start_trainer
 from factory.runtime.transfer import DirBundle
-from factory.types import Batch, Group, Sample, Task
+from factory.core.types import Batch, Group, Sample, Task
 
 from .conftest import small_recipe
 

@@ -8,7 +8,7 @@ import torch
 from factory.rollout.engine import SamplingParams
 from factory.run import connect_broadcast, publish_weights
 from factory.runtime.actors import TrainerActor
-from factory.types import Batch, Group, Sample, Task
+from factory.core.types import Batch, Group, Sample, Task
 
 from .conftest import small_recipe
 
@@ -162,7 +162,7 @@ def test_keep_sampling_mask_makes_trainer_logprobs_match_top_k_sampling(engine, 
 
 ROGUE_RANK0 = """
 import sys
-from factory.weightsync import WeightBroadcaster
+from factory.model.weightsync import WeightBroadcaster
 b = WeightBroadcaster(sys.argv[1], 2)
 print(b.port, flush=True)
 b.connect()  # the engine joins; then this process exits and the group's connection with it
@@ -181,7 +181,7 @@ def test_a_weight_group_broken_under_a_run_is_formed_anew_and_the_run_goes_on(en
     from safetensors.torch import load_file
 
     from factory.run import run
-    from factory.weightsync import BucketPlan
+    from factory.model.weightsync import BucketPlan
 
     from .conftest import REPO
 

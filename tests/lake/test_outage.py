@@ -15,7 +15,7 @@ import pytest
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.table import Table
 
-from factory.failures import ServiceOutage
+from factory.support.failures import ServiceOutage
 from factory.lake import TrajectoryWriter, open_catalog
 from factory.lake.catalog import transient
 from tests.lake.rows import sample_row

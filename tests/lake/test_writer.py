@@ -239,7 +239,7 @@ def test_periodic_expiry_bounds_the_snapshot_count(catalog):
 
 def test_sample_rows_from_a_trained_batch(catalog):
     from factory.lake import sample_rows
-    from factory.types import Batch, Group, Sample, Task
+    from factory.core.types import Batch, Group, Sample, Task
 
     task = Task("t1", "arith", "1+1", "2")
     samples = [Sample(f"s{i}", "g1", "t1", [1, 2], [3, 4, 5], [-0.1, 0.0, -0.2], [1, 0, 1], [i, -1, 4],

@@ -96,7 +96,7 @@ def test_sft_demonstration_is_what_the_gateway_would_build(tokenizer):
 
 def test_qwen2_is_built_with_biases_gqa_and_tied_embeddings_and_exports_each_weight_once(chatml, tmp_path):
     from factory.recipe import load_recipe
-    from factory.trainer import Trainer
+    from factory.training.trainer import Trainer
     from factory.paths import REPO_ROOT
 
     section = ModelSection(architecture="qwen2", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,

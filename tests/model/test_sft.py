@@ -11,7 +11,7 @@ from factory.recipe import ModelSection, recipe_from_dict
 def tiny(tmp_path_factory):
     from factory.envs.base import make_environment
     from factory.model.tiny import build_tokenizer
-    from factory.types import Task
+    from factory.core.types import Task
 
     recipe = recipe_from_dict({})
     env = make_environment(recipe.environment)

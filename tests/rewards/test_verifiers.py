@@ -23,7 +23,7 @@ from factory.rewards.verifiers import (
     score_with,
     spec_problems,
 )
-from factory.types import Task
+from factory.core.types import Task
 
 
 def test_every_verifier_the_recipe_names_is_registered():

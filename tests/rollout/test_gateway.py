@@ -11,7 +11,7 @@ from factory.model.tiny import build_tokenizer
 from factory.model.tokens import encode_chat
 from factory.rollout.engine import Generation, SamplingParams
 from factory.rollout.gateway import Gateway, GatewayError
-from factory.types import NOT_SAMPLED
+from factory.core.types import NOT_SAMPLED
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_openai_client_through_http(tokenizer):
 def test_episode_runner_plays_a_group_in_process(tokenizer):
     from factory.envs.single_turn import SingleTurnEnvironment
     from factory.rollout.episodes import EpisodeRunner
-    from factory.types import Task
+    from factory.core.types import Task
 
     end = tokenizer.eos_token_id
     right, wrong = ids_of(tokenizer, "49") + [end], ids_of(tokenizer, "48") + [end]
@@ -172,7 +172,7 @@ def test_direct_path_records_what_the_openai_path_records(tokenizer):
     from factory.envs.single_turn import SingleTurnEnvironment
     from factory.recipe import EnvironmentSection
     from factory.rollout.episodes import EpisodeRunner
-    from factory.types import Task
+    from factory.core.types import Task
 
     end = tokenizer.eos_token_id
     replies = [ids_of(tokenizer, "49") + [end], ids_of(tokenizer, "The answer is 12.")]

@@ -11,7 +11,7 @@ import pytest
 from factory.model.tiny import build_tokenizer
 from factory.rollout.engine import SamplingParams
 from factory.rollout.gateway import Gateway, GatewayError, parse_tool_calls, tool_names
-from factory.types import NOT_SAMPLED
+from factory.core.types import NOT_SAMPLED
 
 from .test_gateway import ScriptedEngine, ids_of
 

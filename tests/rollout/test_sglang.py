@@ -265,9 +265,9 @@ def test_partial_rollout_modes_span_the_update(server, policy, prompts, tokenize
 
 
 def test_broadcast_from_the_trainer_side_of_factory_weightsync(server, policy, prompts, old_model, perturbed):
-    """A gloo broadcast from factory.weightsync's trainer side (this process) into the server's
+    """A gloo broadcast from factory.model.weightsync's trainer side (this process) into the server's
     scheduler, through our custom weight loaders; logprobs then follow the broadcast weights."""
-    from factory.weightsync import BucketPlan, WeightBroadcaster
+    from factory.model.weightsync import BucketPlan, WeightBroadcaster
 
     _, new_model = perturbed
     tensors = {n: t.detach() for n, t in new_model.state_dict().items()}

@@ -30,7 +30,7 @@ def test_cpu_launch_carries_the_cpu_backend_settings_and_a_gpu_launch_drops_them
     assert gpu.args[gpu.args.index("--host") + 1] == "10.0.0.5" and gpu.url == "http://10.0.0.5:1234"
     # both keep what weight sync and partial rollouts need
     for server in (cpu, gpu):
-        assert "factory.weightsync.WeightReceiverExtension" in server.args and "--enable-scale-out" in server.args
+        assert "factory.model.weightsync.WeightReceiverExtension" in server.args and "--enable-scale-out" in server.args
 
 
 def test_a_model_missing_on_this_node_is_named_before_anything_starts(tmp_path):

@@ -25,5 +25,5 @@ def probe(prelude: str) -> list[str]:
 
 def test_model_and_tokenizer_classes_import_without_sklearn_or_scipy_and_their_checks_elsewhere_are_untouched():
     # (without the call, the probe prints True True True True: MLflow installs both and transformers imports them)
-    lean = "from factory.lean_imports import lean_transformers; lean_transformers()"
+    lean = "from factory.support.lean_imports import lean_transformers; lean_transformers()"
     assert probe(lean) == ["False", "False", "True", "True"]

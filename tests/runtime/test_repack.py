@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from factory.weightsync import repack_shared_weights
+from factory.model.weightsync import repack_shared_weights
 
 
 class Packing:

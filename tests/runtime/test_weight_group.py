@@ -9,7 +9,7 @@ import psutil
 import pytest
 import torch
 
-from factory.weightsync import BucketPlan, WeightBroadcaster, WeightReceiver, sync_device
+from factory.model.weightsync import BucketPlan, WeightBroadcaster, WeightReceiver, sync_device
 
 
 def test_the_rendezvous_listens_on_the_given_address_only_and_buckets_arrive_intact():
@@ -44,6 +44,6 @@ def test_the_rendezvous_listens_on_the_given_address_only_and_buckets_arrive_int
 def test_backends_pick_their_device_and_an_unknown_backend_is_refused():
     assert sync_device("gloo") == "cpu" and sync_device("nccl") == "cuda"
     with pytest.raises(ValueError, match="rollout.sync_backend: unknown 'mpi'"):
-        from factory.weightsync import make_weight_group
+        from factory.model.weightsync import make_weight_group
 
         make_weight_group("127.0.0.1", 1, 0, 1, backend="mpi", store=object())

@@ -31,7 +31,7 @@ such CPU generator is kept before sampling and put back instead, so a chunked re
 what an unchunked one does (tests/rollout/test_seeded_rewind.py; tests/integration/test_real_shapes.py on a real server).
 
 transformers, as vLLM imports it, is told that scikit-learn and scipy are absent
-(factory/lean_imports.py): ~1 s of every server's start, on its critical path.
+(factory/support/lean_imports.py): ~1 s of every server's start, on its critical path.
 
 It also adds routes to the API server (factory_routes.py): `/factory/v1/generate_batch`, the
 token endpoint for many prompts in one HTTP request, for inflight partial rollouts, and
@@ -107,7 +107,7 @@ def _patch_seeded_rewind(module) -> None:
 
 
 def _lean_transformers(module) -> None:
-    from factory.lean_imports import lean_transformers  # the repo is on the server's PYTHONPATH
+    from factory.support.lean_imports import lean_transformers  # the repo is on the server's PYTHONPATH
 
     lean_transformers(module)  # transformers itself is still being imported
 

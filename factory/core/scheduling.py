@@ -6,7 +6,7 @@ tasks and starts the one predicted to run longest first (the idea of Seer's cont
 scheduling); `DurationPredictor` predicts a group's wall time from what the run has seen: the
 task's own history, else its family's, else the run's, else nothing (FIFO order).
 
-Over-provisioning (`async.overprovision`, in factory/buffer.py) is the other half: a few groups
+Over-provisioning (`async.overprovision`, in factory/core/buffer.py) is the other half: a few groups
 beyond what the staleness budget needs run alongside, so a step takes the first B to finish.
 
 Pure Python; the buffer actor owns one of each.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from factory.types import Task
+from factory.core.types import Task
 
 
 class DurationPredictor:

@@ -7,7 +7,7 @@ A resumed RL run continues its MLflow run (`start(..., resume_run_id=...)`), so 
 
 Outages of the store (the server, or its database behind it) do not stop training: each step's
 metrics and tags go into a queue that one background thread sends, retrying with backoff and jitter
-(`factory.outage`) up to `outage_deadline_s` (the recipe's `deadlines.service_outage_s`). At most
+(`factory.recording.outage`) up to `outage_deadline_s` (the recipe's `deadlines.service_outage_s`). At most
 `max_queued` batches wait in memory; later ones spill to `spill_path` (JSON lines) and are sent
 from there once the store answers. A batch sent twice (its answer lost) is stored once: each metric
 keeps the timestamp it was logged with, and MLflow skips a metric it already holds. Other calls
@@ -49,9 +49,9 @@ from mlflow.utils.validation import (  # noqa: E402
     MAX_TAG_VAL_LENGTH,
 )
 
-from factory import profile  # noqa: E402
-from factory.failures import ServiceOutage  # noqa: E402
-from factory.outage import Outage, retry  # noqa: E402
+from factory.support import profile  # noqa: E402
+from factory.support.failures import ServiceOutage  # noqa: E402
+from factory.recording.outage import Outage, retry  # noqa: E402
 from factory.paths import state_dir  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ DEFAULT_EXPERIMENT = "factory"
 RUN_TAG = "factory.run"  # the RL run's name, to find its MLflow run again on resume
 REWARD_METRIC = "rollout/reward_mean"
 THROUGHPUT_METRIC = "perf/samples_per_s"  # trained samples / seconds since training started: a running mean
-# samples/s over the last steps (factory.throughput.WindowedRate): generated (every finished sample,
+# samples/s over the last steps (factory.support.throughput.WindowedRate): generated (every finished sample,
 # filtered ones included) and trained; a slowdown shows in these, the running mean hides it
 WINDOWED_THROUGHPUT = {"generated": "perf/generated_samples_per_s", "trained": "perf/trained_samples_per_s"}
 

@@ -10,7 +10,7 @@ Two paths share one layout (`BucketPlan`):
 * **disk** — the trainer saves safetensors and the engine reloads them from the path.
 
 The receiver is a vLLM worker extension (`--worker-extension-cls
-factory.weightsync.WeightReceiverExtension`); its methods are called through vLLM's
+factory.model.weightsync.WeightReceiverExtension`); its methods are called through vLLM's
 `POST /collective_rpc`, whose arguments must be strings, hence the JSON plans.
 
 Why a private process group: the vLLM worker already owns a default torch.distributed group,

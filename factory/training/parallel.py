@@ -71,12 +71,12 @@ def padding_share(plan: list[list[list[int]]], lengths: list[int]) -> float:
 def init_trainer_group(rank: int, world_size: int, host: str, port: int, backend: str, local_host: str,
                        store=None, timeout_s: float = 600.0) -> None:
     """Join the trainer ranks' default process group: rank 0 hosts the store (`store`, from
-    `factory.weightsync.open_rendezvous` on its node's address), the others connect to host:port.
+    `factory.model.weightsync.open_rendezvous` on its node's address), the others connect to host:port.
     `local_host`: this rank's node address; gloo and NCCL pick their interface from environment
     variables, set here to the one carrying it (the hostname may resolve to loopback)."""
     import torch.distributed as dist
 
-    from factory.weightsync import interface_of
+    from factory.model.weightsync import interface_of
 
     if dist.is_initialized():
         return

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from factory.types import NOT_SAMPLED, Batch, Group, Sample
+from factory.core.types import NOT_SAMPLED, Batch, Group, Sample
 
 ACCEPTED = "accepted"
 FILTERED = "filtered"
@@ -87,7 +87,7 @@ class StalenessBuffer:
     are not all equal (the only groups whose advantages are not all 0). Since the last such group the
     buffer counts the finished groups (failed ones are the failure gate's), their samples, their mean
     reward and the seconds (from the first group's start when none had a spread yet); the run warns and
-    stops on it (`factory.failures.SpreadWatch`). Not checkpointed: a resumed run counts afresh.
+    stops on it (`factory.support.failures.SpreadWatch`). Not checkpointed: a resumed run counts afresh.
 
     Discards (`keep_discarded`): every sample that will never be trained is kept, with its fate
     (`filtered`, `rejected`, or `unused` for what `drain_unused` empties from the queue at the end) and

@@ -49,7 +49,7 @@ class Sample:
     timings: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     support: list[list[int]] = field(default_factory=list)
-    teacher_logprobs: list[float] = field(default_factory=list)  # set by a scorer (factory/scoring.py)
+    teacher_logprobs: list[float] = field(default_factory=list)  # set by a scorer (factory/training/scoring.py)
     prompt_text: str = ""  # the decoded prompt_ids / completion_ids (what the model read and wrote)
     completion_text: str = ""
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from factory.failures import ServiceOutage
+from factory.support.failures import ServiceOutage
 
 T = TypeVar("T")
 DEADLINE_SETTING = "deadlines.service_outage_s"

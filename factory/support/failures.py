@@ -37,7 +37,7 @@ class DeadlineExceeded(RunFailure):
 
 class ServiceOutage(RunFailure):
     """A service the run writes to (lake, MLflow) stayed unreachable past `deadlines.service_outage_s`
-    (`factory.outage`); the message names the service and what was kept."""
+    (`factory.recording.outage`); the message names the service and what was kept."""
 
 
 @dataclass

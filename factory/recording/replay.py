@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from factory.lake.schemas import NAMESPACE
-from factory.threads import shape_of
-from factory.types import Batch, Group, Sample, Task
+from factory.support.threads import shape_of
+from factory.core.types import Batch, Group, Sample, Task
 
 # the columns a Sample needs back
 _SAMPLE_COLUMNS = ("sample_id", "group_id", "task_id", "prompt_ids", "completion_ids", "logprobs", "loss_mask",
@@ -127,9 +127,9 @@ def replay(run_id: str, catalog=None, namespace: str = NAMESPACE, checkpoint: Pa
     from safetensors.torch import load_file
 
     from factory.lake.catalog import open_catalog
-    from factory.lineage import policy_fingerprint
+    from factory.recording.lineage import policy_fingerprint
     from factory.model.sft import base_policy_path
-    from factory.trainer import Trainer
+    from factory.training.trainer import Trainer
 
     catalog = catalog if catalog is not None else open_catalog(namespace=namespace)
     recipe, fingerprint = recorded_recipe(run_id, catalog, namespace)

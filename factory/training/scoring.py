@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Protocol
 from collections.abc import Callable
 
-from factory.registry import Registry
-from factory.types import Batch, Sample
+from factory.core.registry import Registry
+from factory.core.types import Batch, Sample
 
 
 class Scorer(Protocol):

@@ -10,8 +10,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from factory import lineage
-from factory.types import Batch
+from factory.recording import lineage
+from factory.core.types import Batch
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # values in MLflow's UI: genai_development, custom_model_development
 LAKE_BATCH_ROWS = 8192  # a table this far behind commits at once, whatever its interval
@@ -96,7 +96,7 @@ class RunRecorder:
                                          spill_dir=run_dir / "lake-spill")
             self.rewound = self.lake.rewind(start)  # {table: rows deleted}; empty for a new run
         if recipe.tracking.enabled:
-            from factory.tracking import RunTracker
+            from factory.recording.tracking import RunTracker
 
             self.tracker = RunTracker(recipe.tracking.uri, recipe.tracking.experiment,
                                       outage_deadline_s=recipe.deadlines.service_outage_s,
@@ -194,7 +194,7 @@ class RunRecorder:
             self.tracker.log_metrics(step, metrics)
 
     def origin(self) -> dict[str, Any]:
-        """The run's lineage (`factory.lineage.origin`). First called once the base policy exists (the
+        """The run's lineage (`factory.recording.lineage.origin`). First called once the base policy exists (the
         first evaluation, step or checkpoint); then recorded: a `runs` row per attempt, MLflow tags."""
         if self._origin is None:
             from factory.model.sft import base_policy_path

@@ -4,7 +4,7 @@ A step is lean: logprobs of completion positions only, through the output layer 
 chunks (`factory.model.logprobs`); bf16 mixed precision (`train.precision`); activation
 checkpointing; micro-batches of similar length under a token budget whose gradients add up to the
 whole batch's update for every aggregation. With `train.ranks` > 1 this same class is one rank of
-an FSDP2 group (`factory.parallel`): each rank takes its share of the batch by tokens, and weights
+an FSDP2 group (`factory.training.parallel`): each rank takes its share of the batch by tokens, and weights
 leave it gathered one tensor at a time.
 
 It knows no algorithm: the advantage estimator, the policy loss, the off-policy corrections and the
@@ -40,8 +40,8 @@ from factory.algo import (
 )
 from factory.algo.losses import aggregation_denominator
 from factory.model.logprobs import completion_logprobs, pad_samples, to_device
-from factory.parallel import all_reduce_sum, padding_share, plan_micro_batches, step_metrics_merge
-from factory.types import Batch, Sample
+from factory.training.parallel import all_reduce_sum, padding_share, plan_micro_batches, step_metrics_merge
+from factory.core.types import Batch, Sample
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -80,18 +80,18 @@ class Trainer:
     same tensors to the GPU and was checked on a lent GPU only where the README says so.
 
     `rank`/`world_size`: this trainer's place in an FSDP2 group whose default process group the
-    caller has formed (`factory.parallel.init_trainer_group`); 1 rank is the plain path."""
+    caller has formed (`factory.training.parallel.init_trainer_group`); 1 rank is the plain path."""
 
     def __init__(self, model_path: str, algorithm, train, rollout, shape: dict | None = None,
                  rank: int = 0, world_size: int = 1):
-        from factory.lean_imports import lean_transformers
+        from factory.support.lean_imports import lean_transformers
 
         lean_transformers()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from factory.devices import resolve_device
+        from factory.support.devices import resolve_device
 
-        from factory.threads import resolve
+        from factory.support.threads import resolve
 
         self.threads = resolve(train.threads, "trainer", shape)  # `shape`: the run's, for train.threads=auto
         torch.set_num_threads(self.threads)
@@ -130,7 +130,7 @@ class Trainer:
             self.ref_model.requires_grad_(False)
             self.ref_policy = PolicyLogprobs(self.ref_model, rollout.temperature, train.logprob_chunk_tokens)
         if world_size > 1:
-            from factory.parallel import parallelize
+            from factory.training.parallel import parallelize
 
             parallelize(self.policy, self.model, world_size, self.device.type, self.precision == "bf16")
             if self.ref_policy is not None:
@@ -369,7 +369,7 @@ class Trainer:
         """The policy's weights under their Hugging Face names (what vLLM's loaders expect), one at a
         time, LoRA merged in, each shared parameter once. Sharded weights are gathered one tensor at a
         time, so no rank ever holds a second full copy — and every rank must walk this iterator together."""
-        from factory.parallel import full_tensors
+        from factory.training.parallel import full_tensors
 
         items = full_tensors(self._own_state())
         yield from merge_lora(items, self._lora_scaling()) if self.lora else items
@@ -406,7 +406,7 @@ class Trainer:
             return out
         from peft.utils import get_peft_model_state_dict
 
-        from factory.parallel import full_tensors
+        from factory.training.parallel import full_tensors
 
         # the adapter's tensors gathered (every rank), then written by rank 0 in PEFT's layout
         adapter = dict(full_tensors(get_peft_model_state_dict(self.model).items()))  # type: ignore[arg-type]
@@ -492,7 +492,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         if self.lora:
-            from factory.parallel import TrainerSetupError
+            from factory.training.parallel import TrainerSetupError
 
             raise TrainerSetupError(f"{ckpt}: resuming a one-rank LoRA checkpoint on {self.world_size} ranks is "
                                     "not supported; resume it with train.ranks=1")
