@@ -8,6 +8,7 @@ module (or the recipe) imports no component at all.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,16 +29,21 @@ class LoadedRegistry(Registry):
     def __init__(self, kind: str):
         super().__init__(kind)
         self._loaded = False
+        self._filling = False
+        self._lock = threading.RLock()  # another thread's first read waits for the whole load
 
     def _load(self) -> None:
         if self._loaded or _loader is None:
             return
-        self._loaded = True  # a read during the load itself sees the entries registered so far
-        try:
-            _loader(self)
-        except BaseException:
-            self._loaded = False
-            raise
+        with self._lock:
+            if self._loaded or self._filling:  # filling: a read from within the load sees what is there so far
+                return
+            self._filling = True
+            try:
+                _loader(self)
+                self._loaded = True
+            finally:
+                self._filling = False
 
     def __getitem__(self, name: str):
         self._load()

@@ -6,8 +6,8 @@ import copy
 import itertools
 from typing import Any
 
-from factory.recipe.loading import recipe_from_dict, set_dotted
 from factory.recipe.errors import RecipeError, _show
+from factory.recipe.loading import recipe_from_dict, set_dotted
 from factory.recipe.schema import Recipe
 
 
