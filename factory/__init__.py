@@ -44,3 +44,31 @@ class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 sys.meta_path.append(_Moved())
+
+
+# The composition root: a core registry, on its first read, imports the components that register into it.
+_FILLED_BY = {
+    "ENGINES": ("factory.rollout.engines",), "ENVIRONMENTS": ("factory.envs",),
+    "VERIFIERS": ("factory.rewards.verifiers",), "EXTRACTORS": ("factory.rewards.extract",),
+    "SCORERS": ("factory.training.scoring",), "POLICY_LOSSES": ("factory.algo",), "AGGREGATIONS": ("factory.algo",),
+    "ADVANTAGES": ("factory.algo",), "KL_ESTIMATORS": ("factory.algo",), "CORRECTIONS": ("factory.algo",),
+    "VALIDATORS": ("factory.envs", "factory.rewards.verifiers"),
+}
+
+
+def _fill(registry) -> None:
+    from factory.core import registries
+
+    for name, modules in _FILLED_BY.items():
+        if getattr(registries, name) is registry:
+            for module in modules:
+                importlib.import_module(module)
+
+
+def _install_loader() -> None:
+    from factory.core import registries
+
+    registries.set_loader(_fill)
+
+
+_install_loader()

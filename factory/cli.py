@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from factory.support.failures import RunFailure
-from factory.recipe import Recipe, RecipeError, expand_sweep, json_schema, load_recipe, machine_problems
+from factory.recipe import Recipe, RecipeError, expand_sweep, json_schema, load_recipe
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -50,7 +50,7 @@ def _loaded(file: str, overrides: list[str], check_machine: bool = True) -> Reci
 
 def _checked(file: str, overrides: list[str], check_machine: bool = True) -> tuple[Recipe, list]:
     """`_loaded`'s recipe and the data check of each distinct data section among its sweep points."""
-    from factory.data.check import check_data
+    from factory.data.check import check_data, machine_problems
 
     recipe = load_recipe(file, overrides)
     if not check_machine:

@@ -43,9 +43,9 @@ def smoke_recipes() -> list:
 
 
 # what builds the suite's policies: a change to any of it is a new digest (a build, not a copy)
-BUILD_SOURCES = ("factory/model", "factory/data", "factory/envs", "factory/recipe.py", "factory/core/types.py",
-                 "factory/core/registry.py", "factory/paths.py", "recipes", "tests/policies.py",
-                 "tests/integration/conftest.py", "tests/integration/test_gsm8k_format.py",
+BUILD_SOURCES = ("factory/model", "factory/data", "factory/envs", "factory/recipe", "factory/core/types.py",
+                 "factory/core/registry.py", "factory/core/registries.py", "factory/paths.py", "recipes",
+                 "tests/policies.py", "tests/integration/conftest.py", "tests/integration/test_gsm8k_format.py",
                  "tests/integration/test_shipped_recipes.py")
 
 

@@ -74,3 +74,15 @@ def test_the_recipe_schema_lists_every_registry_so_editors_autocomplete_them():
     assert defs["OffPolicyCorrection"]["properties"]["name"]["enum"] == CORRECTIONS.names()
     assert defs["DistillSection"]["properties"]["scorer"]["enum"] == SCORERS.names()
     assert defs["RolloutSection"]["properties"]["engine"]["enum"] == ENGINES.names()
+
+
+def test_importing_the_recipe_imports_no_component_and_a_registry_fills_on_its_first_read():
+    import subprocess
+    import sys
+
+    code = ("import sys, factory.recipe; "
+            "components = ('factory.rollout', 'factory.envs', 'factory.rewards', 'factory.algo', 'factory.training'); "
+            "assert not [m for m in sys.modules if m.startswith(components)], sys.modules; "
+            "from factory.core import registries; "
+            "assert 'vllm' in registries.ENGINES and 'factory.rollout.engines' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -13,12 +13,13 @@ from collections.abc import Callable
 
 import torch
 
+from factory.core import registries
 from factory.core.registry import Registry
 from factory.core.types import Sample
 
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
 
-ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+ADVANTAGES: Registry[AdvantageFn] = registries.ADVANTAGES
 BATCH_SCOPE: set[str] = set()  # estimators that normalise over the whole batch, not per group
 
 GRPO_EPS = 1e-6  # keeps the division finite for groups whose rewards barely differ

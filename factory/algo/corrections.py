@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from factory.core import registries
 from factory.core.registry import Registry
 from factory.algo.losses import LossContext
 from factory.core.types import NOT_SAMPLED
@@ -49,9 +50,9 @@ CorrectionFn = Callable[
     tuple[torch.Tensor, dict[str, float]],
 ]
 
-CORRECTIONS: Registry[CorrectionFn] = Registry("correction")
-CORRECTION_PARAMS: dict[str, tuple[str, ...]] = {}  # the CorrectionConfig fields each one reads
-IS_CORRECTIONS: set[str] = set()  # those that look at rho = pi_prox / pi_b (trivial when prox = behaviour)
+CORRECTIONS: Registry[CorrectionFn] = registries.CORRECTIONS
+CORRECTION_PARAMS: dict[str, tuple[str, ...]] = registries.CORRECTION_PARAMS  # the config fields each reads
+IS_CORRECTIONS: set[str] = registries.IS_CORRECTIONS  # those that look at rho = pi_prox / pi_b
 
 LEVELS = ("token", "sequence", "geometric")
 

@@ -14,11 +14,12 @@ from collections.abc import Callable
 
 import torch
 
+from factory.core import registries
 from factory.core.registry import Registry
 
 KlEstimatorFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-KL_ESTIMATORS: Registry[KlEstimatorFn] = Registry("KL estimator")
+KL_ESTIMATORS: Registry[KlEstimatorFn] = registries.KL_ESTIMATORS
 
 
 def register_kl_estimator(name: str) -> Callable[[KlEstimatorFn], KlEstimatorFn]:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from factory.core import registries
 from factory.core.registry import Registry
 from factory.algo.kl import kl_penalty
 
@@ -64,7 +65,7 @@ class LossContext:
 
 AggregationFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
-AGGREGATIONS: Registry[AggregationFn] = Registry("aggregation")
+AGGREGATIONS: Registry[AggregationFn] = registries.AGGREGATIONS
 
 # What each aggregation divides by, as a function of the mask: an aggregation is (a sum of per-sample
 # terms) / denominator, so a batch split into micro-batches (or across trainer ranks) is reassembled
@@ -147,7 +148,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_tokens
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+POLICY_LOSSES: Registry[PolicyLossFn] = registries.POLICY_LOSSES
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:

@@ -5,7 +5,8 @@ What it catches that validating the recipe cannot (it needs reasoning-gym, or th
 name reasoning-gym does not know, a family config it refuses, a family that cannot give its share of
 `data.heldout_size` distinct questions or has none left to train on, and every file source problem
 (`factory.data.sources`: a missing file or column, an empty split, a duplicate id, a bad row), and
-prompts longer than the engines' context leaves them (`factory.data.lengths`).
+prompts longer than the engines' context leaves them (`factory.data.lengths`). Beside it, the machine
+check (`machine_problems`): what this machine lacks to run a recipe (its model directory, its engine).
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import difflib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from factory.core import registries
 from factory.data.lengths import check_tokenizer, measure, prompt_function
 from factory.data.tasks import LOCAL_FAMILIES, ReasoningGymSource, dataset_fingerprint
+from factory.recipe import Recipe
 
 
 @dataclass
@@ -137,3 +141,34 @@ def prompt_length_lines(recipe, source, lines: list[str]) -> list[str]:
     lines.append(f"  {over} of {len(lengths.tasks)} prompts are longer than {lengths.limit} tokens: {fate} at the "
                  f"run's start (data.overlong={mode})")
     return []
+
+
+def machine_problems(recipe: Recipe, source: str = "<recipe>") -> list[str]:
+    """What this machine lacks to run `recipe`, one line each (`recipe check` and `factory run` ask before
+    anything starts): a `model.path` that is not a model directory, a context shorter than
+    `rollout.max_model_len`, an engine that is not installed here. Not part of validation: a recipe may be
+    written on one machine for another."""
+    out = []
+    if recipe.model.path:
+        path = Path(recipe.model.path)
+        config = path / "config.json"
+        if not path.exists():
+            out.append(f"{source}: model.path: {path} does not exist")
+        elif not config.is_file():
+            out.append(f"{source}: model.path: {path} is not a model directory (no config.json)")
+        else:
+            try:
+                context = json.loads(config.read_text()).get("max_position_embeddings")
+            except (OSError, ValueError, AttributeError) as err:
+                out.append(f"{source}: model.path: cannot read {config} ({err})")
+                context = None
+            if isinstance(context, int) and recipe.rollout.max_model_len > context:
+                out.append(f"{source}: rollout.max_model_len: {recipe.rollout.max_model_len} is beyond the context of "
+                           f"{path} (max_position_embeddings={context})")
+            if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+                out.append(f"{source}: model.path: {path} holds no weights (*.safetensors or *.bin)")
+    if not recipe.rollout.urls:  # attached engines run elsewhere
+        missing = registries.ENGINES[recipe.rollout.engine].missing()
+        if missing:
+            out.append(f"{source}: rollout.engine: {recipe.rollout.engine} cannot start on this machine: {missing}")
+    return out

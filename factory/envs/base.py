@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from collections.abc import Callable
 
+from factory.core import registries
 from factory.core.registry import Registry
 from factory.core.types import Task
 
@@ -39,7 +40,7 @@ class Environment(Protocol):
     # start trains on; None (or no such method) trains on the prompt and the task's answer.
 
 
-ENVIRONMENTS: Registry[Callable[..., Environment]] = Registry("environment")
+ENVIRONMENTS: Registry[Callable[..., Environment]] = registries.ENVIRONMENTS
 
 
 def register_environment(name: str):
@@ -61,6 +62,9 @@ def environment_factory(name: str) -> Callable[..., Environment]:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as err:
         raise ValueError(f"cannot import {name!r} ({type(err).__name__}: {err})") from None
+
+
+registries.VALIDATORS.register("environment", environment_factory)  # the recipe checks environment.name with it
 
 
 def task_messages(task: Task) -> list[dict]:

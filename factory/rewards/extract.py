@@ -11,11 +11,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from factory.core import registries
 from factory.core.registry import Registry
 
 Extractor = Callable[[str], str | None]
 
-EXTRACTORS: Registry[Extractor] = Registry("answer extractor")
+EXTRACTORS: Registry[Extractor] = registries.EXTRACTORS
 
 _GSM8K = re.compile(r"####[ \t]*([^\n]*)")
 

@@ -30,6 +30,7 @@ from fractions import Fraction
 from functools import cache
 from typing import Any
 
+from factory.core import registries
 from factory.core.registry import Registry
 from factory.rewards.extract import EXTRACTORS, extract
 from factory.core.types import Task
@@ -55,7 +56,7 @@ class Verifier:
     warm: Callable[[dict[str, Any]], Any] = lambda config: None
 
 
-VERIFIERS: Registry[Verifier] = Registry("verifier")
+VERIFIERS: Registry[Verifier] = registries.VERIFIERS
 
 
 # ---- the comparisons, as pure functions of text -------------------------------------------------
@@ -267,6 +268,9 @@ def spec_problems(name: Any, extract_name: Any, config: Any) -> list[str]:
         if config["family"] not in families:
             problems.append(f"config.family: unknown reasoning-gym dataset {config['family']!r}")
     return problems
+
+
+registries.VALIDATORS.register("verifier_spec", spec_problems)  # the recipe checks a VerifierSpec with it
 
 
 def with_defaults(name: str, config: Mapping[str, Any]) -> dict[str, Any]:

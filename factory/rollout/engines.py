@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
+from factory.core import registries
 from factory.core.registry import Registry
 
 PARTIAL_ROLLOUTS = ("wait", "abort_resume", "inflight")
@@ -73,7 +74,7 @@ class EngineKind:
         return out
 
 
-ENGINES: Registry[EngineKind] = Registry("rollout engine")
+ENGINES: Registry[EngineKind] = registries.ENGINES
 
 
 def _vllm(b: EngineBuild):

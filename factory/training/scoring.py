@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Protocol
 from collections.abc import Callable
 
+from factory.core import registries
 from factory.core.registry import Registry
 from factory.core.types import Batch, Sample
 
@@ -27,7 +28,7 @@ class Scorer(Protocol):
         """Attach this scorer's per-token values to each sample in place."""
 
 
-SCORERS: Registry[Callable[..., Scorer]] = Registry("scorer")
+SCORERS: Registry[Callable[..., Scorer]] = registries.SCORERS
 
 
 def register_scorer(name: str):

@@ -122,8 +122,8 @@ def test_algo_imports_no_heavy_dependencies():
     code = (
         "import sys, factory.algo; "
         "heavy = [m for m in ('ray', 'vllm', 'dagster') if m in sys.modules]; "
-        "other = [m for m in sys.modules if m.startswith('factory.') "
-        "and not m.startswith(('factory.algo', 'factory.core.types', 'factory.core.registry'))]; "
+        "other = [m for m in sys.modules if m.startswith('factory.') and m != 'factory.core' "
+        "and not m.startswith(('factory.algo', 'factory.core.types', 'factory.core.registry', 'factory.core.registries'))]; "
         "assert not heavy and not other, (heavy, other)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

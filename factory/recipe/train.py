@@ -1,0 +1,115 @@
+"""The recipe's `model`, `async` and `train` sections: the policy, the staleness budget, the trainer."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from factory.recipe.base import Section
+from factory.support.threads import Threads
+
+
+class ModelSection(Section):
+    """The policy. With `path` unset, a tiny model of `architecture` is built and warm-started locally."""
+
+    path: str | None = Field(None, description="an existing HF model dir; unset builds the tiny model")
+    architecture: Literal["llama", "qwen2"] = Field(
+        "llama", description="the tiny model built when path is unset: llama (its own role-tag chat template, "
+        "untied embeddings) or qwen2 (q/k/v biases, grouped-query attention, tied embeddings, ChatML)")
+    hidden_size: int = Field(256, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int | None = Field(None, gt=0, description="key/value heads (grouped-query attention when "
+                                     "fewer than num_heads, which they must divide); unset: num_heads")
+    intermediate_size: int = Field(704, gt=0)
+    max_position: int = Field(256, gt=16)
+    bpe_vocab_size: int = Field(300, ge=260, description="byte-level BPE vocab incl. 256 bytes")
+    sft_steps: int = Field(2400, ge=0, description="supervised warm-start steps (at most, with sft_stop_loss)")
+    sft_stop_loss: float | None = Field(
+        None, gt=0, description="end the warm start once the mean loss of its last 50 updates is at or below "
+        "this: a policy just off the loss plateau, with room left for RL, whatever the seed; unset: all sft_steps")
+    sft_batch_size: int = Field(32, gt=0)
+    sft_lr: float = Field(1e-3, gt=0)
+    sft_examples: int = Field(20000, gt=0, description="training tasks used for the warm start")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelSection:
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} must divide num_heads ({self.num_heads})")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size: {self.hidden_size} must be a multiple of num_heads ({self.num_heads})")
+        return self
+
+
+class AsyncSection(Section):
+    max_staleness: int = Field(1, ge=0, description="η: 0 synchronous, 1 one-step off-policy, k async")
+    max_inflight_groups: int = Field(32, gt=0)
+    overprovision: int = Field(0, ge=0, description="groups started beyond the staleness budget, so a step takes "
+                               "the first B to finish instead of waiting for the slowest (late ones may go stale)")
+    expect_filtering: bool = Field(False, description="admission counts a running group as the share of recent "
+                                   "groups the zero-variance filter let through, so a step starts what fills its batch "
+                                   "in one round instead of refilling filtered slots round by round (η ≥ 1; see "
+                                   "factory/core/buffer.py)")
+    schedule: Literal["fifo", "longest_first"] = Field(
+        "fifo", description="which upcoming prompt starts next: in order, or the one predicted to run longest "
+        "(from the run's own history of group wall times)")
+    lookahead: int = Field(16, gt=0, description="longest_first: upcoming tasks it chooses among")
+
+
+class LoraSection(Section):
+    """Train a LoRA adapter instead of the full weights (PEFT); engines then receive only the adapter."""
+
+    enabled: bool = False
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+class TrainSection(Section):
+    steps: int = Field(400, gt=0)
+    groups_per_step: int = Field(8, gt=0, description="B prompts per optimizer step")
+    lr: float = Field(5e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    checkpoint_every: int = Field(100, ge=0, description="0 saves only the final checkpoint")
+    checkpoint_every_s: float = Field(
+        1800, ge=0, description="also checkpoint when this many seconds have passed since the last one, so a "
+        "lost trainer costs minutes; 0 = by steps only")
+    keep_checkpoints: int = Field(
+        0, ge=0, description="keep only the newest N checkpoints in the run dir, deleting older ones as new ones are "
+        "written (a run of days at checkpoint_every_s=1800 writes ~50 a day, each the model and its optimizer "
+        "state); the lake's checkpoints table keeps every one's row and lineage; 0 = keep all")
+    max_trainer_restarts: int = Field(
+        2, ge=0, description="a trainer that dies is rebuilt inside the same run, which resumes from its latest "
+        "checkpoint (exact, as a resumed run); one more death stops the run")
+    max_restarts: int = Field(3, ge=0, description="times a crashed run is relaunched from its last checkpoint "
+                              "(Dagster's rl_run_recovery sensor)")
+    lora: LoraSection = Field(default_factory=LoraSection)
+    threads: Threads = Field("auto", description="the trainer's CPU threads; auto: this node's share by the "
+                             "measured rule in factory/support/threads.py")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the trainer's weights, activations and optimizer live: auto = cuda when the "
+        "trainer's node has a GPU (cuda is untested here: no GPU)")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="bf16: bf16 compute with fp32 master weights and optimizer state; auto = bf16 on "
+        "cuda, fp32 on cpu (keeps resume, replay and reproducibility bitwise, and this CPU has no fast bf16)")
+    activation_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="recompute each decoder block in the backward pass instead of keeping its "
+        "activations; auto = on for cuda")
+    micro_batch_tokens: int = Field(
+        16384, ge=0, description="padded tokens (rows x longest row) per forward/backward; samples of similar "
+        "length share a micro-batch, gradients accumulate to the whole batch's update; 0 = the whole batch")
+    logprob_chunk_tokens: int = Field(
+        512, gt=0, description="completion tokens per chunk through the output layer (each chunk's logits "
+        "are recomputed in the backward pass; a [B, T, vocab] tensor never exists)")
+    warm_up: bool = Field(True, description="one forward and backward pass on a dummy batch of the step's size "
+                          "while the engines start, so step 1 does not pay the first pass's one-time costs "
+                          "and AdamW's state made (zero moments at step 0); the run trains bitwise as without it")
+    ranks: int = Field(1, ge=1, description="trainer ranks sharding the model with FSDP2 (gloo on cpu, nccl "
+                       "on cuda), each a Ray actor placed by placement.trainer")
+    seed: int = 0
