@@ -32,12 +32,11 @@ from factory.recipe import Recipe
 from factory.support.failures import RunFailure, SpreadWatch
 from factory.recording.recorder import RunRecorder, latest_checkpoint, prune_checkpoints
 from factory.rewards import verifier_specs
-from factory.runtime.actors import (
-    BufferActor, EngineActor, EnvWorkerActor, ScorerActor, killed_on_error, placed,
-)
+from factory.runtime.actors import BufferActor, EngineActor, EnvWorkerActor, ScorerActor, placed
 from factory.runtime.cluster import check_placement, local_ray
 from factory.runtime.deadlines import get_within
 from factory.runtime.evaluation import evaluate_workers
+from factory.runtime.launch import killed_on_error
 from factory.runtime.supervisor import ActorLost, EngineLostDuringSync, Supervisor
 from factory.runtime.trainers import start_trainer
 from factory.runtime.transfer import DirBundle, node_ip
