@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import ray
 
@@ -27,27 +26,22 @@ from factory.data.lengths import fit_prompts
 from factory.data.tasks import ReasoningGymSource
 from factory.data.heldout import suite_tasks
 from factory.model.sft import base_policy_plan, ensure_base_policy
-from factory.recording.outage import first_line
 from factory.recipe import Recipe
 from factory.support.failures import RunFailure, SpreadWatch
 from factory.recording.recorder import RunRecorder, latest_checkpoint, prune_checkpoints
-from factory.rewards import verifier_specs
-from factory.runtime.actors import (
-    BufferActor, EngineActor, EnvWorkerActor, ScorerActor, killed_on_error, placed,
-)
-from factory.runtime.cluster import check_placement, local_ray
+from factory.runtime.cluster import local_ray
 from factory.runtime.deadlines import get_within
 from factory.runtime.evaluation import evaluate_workers
+from factory.runtime.launch import (
+    Actors, killed_on_error, restore, start_actors, start_engines, start_env_workers, stop_actors, supervise,
+)
 from factory.runtime.supervisor import ActorLost, EngineLostDuringSync, Supervisor
-from factory.runtime.trainers import start_trainer
-from factory.runtime.transfer import DirBundle, node_ip
 from factory.runtime.weights import WeightPublisher, connect_broadcast, engine_metrics, publish_weights
-from factory.support.threads import shape_of
 from factory.support.throughput import WindowedRate
 
 log = logging.getLogger("factory.run")
 
-__all__ = ["StepReport", "connect_broadcast", "engine_metrics", "publish_weights", "run"]
+__all__ = ["StepReport", "connect_broadcast", "engine_metrics", "publish_weights", "run", "start_engines"]
 
 
 @dataclass
@@ -106,6 +100,34 @@ class TrainerLost(RuntimeError):
 def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, resume_from, engines,
          on_sft_step, before: dict | None = None) -> dict:
     t_start = time.time()
+    policy, source, heldout = _inputs(recipe, record, phase, on_sft_step)
+    with local_ray(), killed_on_error() as created:  # a failed run leaves no actor behind, on any cluster
+        phase("starting engines, trainer, buffer, env workers")
+        a = start_actors(recipe, run_dir, record, policy, source.train, engines, created)
+        version = restore(a, recipe, resume_from)
+        start_env_workers(a)
+        results: dict = {"run_dir": str(run_dir), "recipe": recipe.name, "policy": str(policy), "nodes": a.nodes()}
+        if before is not None:  # a rebuilt trainer's attempt: the run's start was evaluated already
+            results["before"] = before
+        elif recipe.eval.before:
+            results["before"] = _evaluate(a, heldout, recipe, record, version, "before", phase)
+
+        phase("training")
+        sup = supervise(a, recipe, run_dir, created)
+        clock = _train(a, sup, recipe, record, run_dir, version, results.get("before"), phase, on_step)
+
+        phase("stopping rollouts")
+        results.update(_stop(a, sup.producing, record, recipe.train.steps))
+        results["restarts"] = dict(sup.restarts)
+        if recipe.eval.after:
+            results["after"] = _evaluate(a, heldout, recipe, record, recipe.train.steps, "after", phase)
+        stop_actors(a, created)
+    return _summary(results, recipe, clock, time.time() - t_start)
+
+
+def _inputs(recipe: Recipe, record: RunRecorder, phase, on_sft_step) -> tuple[Path, ReasoningGymSource, list]:
+    """The base policy (trained first if it is new), the task source and the held-out tasks; prompts
+    that do not fit the engines' context are refused or dropped here, before anything starts."""
     plan = base_policy_plan(recipe)  # a new warm start is minutes of SFT: the line says why and about how long
     log.info(plan)
     phase(plan)
@@ -116,266 +138,66 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
     # prompts longer than the engines' context: one line before anything starts, or dropped or cut (data.overlong)
     record.log_dropped(fit_prompts(recipe, policy, source))
     heldout = suite_tasks(recipe, "heldout", source=source)  # a seeded sample, never a prefix
+    return policy, source, heldout
+
+
+def _train(a: Actors, sup: Supervisor, recipe: Recipe, record: RunRecorder, run_dir: Path, version: int,
+           before: dict | None, phase, on_step) -> LoopClock:
+    """The steps after `version` up to `train.steps`, generation running under the supervisor's watch;
+    the engines serve the last step's weights at the end. A trainer that dies raises TrainerLost."""
     deadlines = recipe.deadlines  # every wait below ends: batch, weight sync, trainer step, evaluation
+    sync = WeightPublisher(a.engines, a.trainer, recipe.rollout.weight_sync, deadlines.weight_sync_s,
+                           overlap=recipe.rollout.overlap_sync, poll=sup.interrupt_sync)
+    sup.sync = sync
+    producing = [w.produce.remote() for w in a.workers]
+    sup.start(producing)
+    clock = LoopClock(generated=ray.get(a.buffer.metrics.remote())["buffer/finished_samples"])
+    watch = _spread_watch(recipe, phase)
+    last_checkpoint = time.monotonic()
+    try:
+        for step in range(version + 1, recipe.train.steps + 1):
+            metrics = _step(a, sup, sync, clock, watch, record, step, deadlines)
+            record.log_step(step, metrics)
+            if on_step:
+                on_step(StepReport(step, metrics))
+            if _checkpoint_due(recipe.train, step, last_checkpoint):
+                _checkpoint(a, record, run_dir, step, deadlines)
+                last_checkpoint = time.monotonic()
+        clock.synced(_publish(sync, sup, None))  # the engines serve the last step's weights from here on
+    except ray.exceptions.RayActorError as err:
+        if a.trainer_alive():
+            raise
+        raise TrainerLost(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", before) from err
+    finally:
+        sup.stop()
+        sup.sync = sync.poll = None  # no cycle keeps the handles alive past the run
+    clock.stop()
+    return clock
 
-    with local_ray(), killed_on_error() as created:  # a failed run leaves no actor behind, on any cluster
-        phase("starting engines, trainer, buffer, env workers")
-        a = _start(recipe, run_dir, record, policy, source.train, engines, created)
-        version = _restore(a, recipe, resume_from)
-        _start_env_workers(a)
-        results: dict = {"run_dir": str(run_dir), "recipe": recipe.name, "policy": str(policy), "nodes": a.nodes()}
-        if before is not None:  # a rebuilt trainer's attempt: the run's start was evaluated already
-            results["before"] = before
-        elif recipe.eval.before:
-            results["before"] = _evaluate(a, heldout, recipe, record, version, "before", phase)
 
-        phase("training")
-        sup = _supervisor(a, recipe, run_dir, created)
-        sync = WeightPublisher(a.engines, a.trainer, recipe.rollout.weight_sync, deadlines.weight_sync_s,
-                               overlap=recipe.rollout.overlap_sync, poll=sup.interrupt_sync)
-        sup.sync = sync
-        producing = [w.produce.remote() for w in a.workers]
-        sup.start(producing)
-        clock = LoopClock(generated=ray.get(a.buffer.metrics.remote())["buffer/finished_samples"])
-        watch = _spread_watch(recipe, phase)
-        last_checkpoint = time.monotonic()
-        try:
-            for step in range(version + 1, recipe.train.steps + 1):
-                batch = clock.waiting(partial(_next_batch, a, step, deadlines, _polling(a, watch, sup.check)))
-                batch, metrics = _score_and_train(a, batch, step, deadlines, sup)
-                metrics.update(clock.synced(_publish(sync, sup, step)))  # returns once new requests wait for `step`
-                ray.get(a.buffer.set_version.remote(step))
-                _record_samples(a, record, batch, step)
-                metrics.update(_observe(a, clock, len(batch.samples)))
-                if watch:  # with the filter off, batches keep coming whether they hold a gradient or not
-                    watch.observe(metrics)
-                metrics.update(sup.metrics())
-                record.log_step(step, metrics)
-                if on_step:
-                    on_step(StepReport(step, metrics))
-                every_s = recipe.train.checkpoint_every_s
-                if ((recipe.train.checkpoint_every and step % recipe.train.checkpoint_every == 0)
-                        or step == recipe.train.steps or (every_s and time.monotonic() - last_checkpoint >= every_s)):
-                    _checkpoint(a, record, run_dir, step, deadlines)
-                    last_checkpoint = time.monotonic()
-            clock.synced(_publish(sync, sup, None))  # the engines serve the last step's weights from here on
-        except ray.exceptions.RayActorError as err:
-            if _trainer_alive(a):
-                raise
-            raise TrainerLost(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
-                              results.get("before")) from err
-        finally:
-            sup.stop()
-            sup.sync = sync.poll = None  # no cycle keeps the handles alive past the run
-        clock.stop()
+def _step(a: Actors, sup: Supervisor, sync: WeightPublisher, clock: LoopClock, watch: SpreadWatch | None,
+          record: RunRecorder, step: int, deadlines) -> dict[str, float]:
+    """One step: a batch, scored and trained on, its weights published, its samples recorded; its metrics."""
+    batch = clock.waiting(partial(_next_batch, a, step, deadlines, _polling(a, watch, sup.check)))
+    batch, metrics = _score_and_train(a, batch, step, deadlines, sup)
+    metrics.update(clock.synced(_publish(sync, sup, step)))  # returns once new requests wait for `step`
+    ray.get(a.buffer.set_version.remote(step))
+    _record_samples(a, record, batch, step)
+    metrics.update(_observe(a, clock, len(batch.samples)))
+    if watch:  # with the filter off, batches keep coming whether they hold a gradient or not
+        watch.observe(metrics)
+    metrics.update(sup.metrics())
+    return metrics
 
-        phase("stopping rollouts")
-        results.update(_stop(a, sup.producing, record, recipe.train.steps))
-        results["restarts"] = dict(sup.restarts)
-        if recipe.eval.after:
-            results["after"] = _evaluate(a, heldout, recipe, record, recipe.train.steps, "after", phase)
-        ray.get([w.close.remote() for w in a.workers])
-        if a.own_engines:
-            ray.get([e.stop.remote() for e in a.engines])
-        for actor in created:  # the run's own actors end with it (not when Python collects their handles)
-            ray.kill(actor)
-    return _summary(results, recipe, clock, time.time() - t_start)
+
+def _checkpoint_due(train, step: int, last_checkpoint: float) -> bool:
+    """Every `train.checkpoint_every` steps, at the last step, and `train.checkpoint_every_s` after the last one."""
+    every_s = train.checkpoint_every_s
+    return bool((train.checkpoint_every and step % train.checkpoint_every == 0) or step == train.steps
+                or (every_s and time.monotonic() - last_checkpoint >= every_s))
 
 
 # ---- the loop's parts ---------------------------------------------------------------------------
-
-
-@dataclass
-class Actors:
-    """The run's actors. `own_engines`: started by this run (else given, and left running). Ray actor
-    handles are typed Any: their methods (`handle.method.remote(...)`) are looked up at run time."""
-
-    engines: list
-    trainer: Any
-    scorer: Any | None
-    buffer: Any
-    workers: list
-    own_engines: bool
-    policy: object  # the base policy's DirBundle in the object store (env workers read the tokenizer from it)
-    verifiers: list = field(default_factory=list)  # the train tasks' verifier specs: env workers warm them up
-
-    def trainer_ranks(self) -> list:
-        return getattr(self.trainer, "ranks", [self.trainer])  # a TrainerGroup's, or the one trainer
-
-    def nodes(self) -> dict:
-        """Which node each role landed on."""
-        ranks = self.trainer_ranks()
-        return {"driver": node_ip(), "trainer": ray.get(self.trainer.node_ip.remote()),
-                "trainer_ranks": ray.get([r.node_ip.remote() for r in ranks]),
-                "buffer": ray.get(self.buffer.node_ip.remote()),
-                "engines": ray.get([e.node_ip.remote() for e in self.engines]),
-                "env_workers": ray.get([w.node_ip.remote() for w in self.workers])}
-
-
-def _start(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Path, train_tasks, engines, created) -> Actors:
-    """Place and start the engines, trainer, scorer and buffer (killed if the run fails: `created`)."""
-    where = recipe.placement
-    check_placement(where, engines=recipe.rollout.num_engines if engines is None else 0,
-                    env_workers=recipe.environment.workers, scorer=bool(recipe.algorithm.distill.teacher),
-                    trainer_ranks=recipe.train.ranks)
-    # every role gets the policy over the network: no node may assume another's disk
-    policy_ref = ray.put(DirBundle.of(policy, "policy", exclude=("trainer.pt",)))
-    own_engines = engines is None
-    if own_engines:
-        engines = [_engine_actor(recipe, run_dir, policy_ref, i) for i in range(len(_engine_urls(recipe)))]
-        created.extend(engines)
-    trainer, trainer_ranks = start_trainer(policy_ref, recipe, shape_of(recipe), where.trainer)
-    created.extend(trainer_ranks)
-    # the scoring phase: a teacher grading every trained token (on-policy distillation), if any
-    scorer = _scorer_actor(recipe) if recipe.algorithm.distill.teacher else None
-    buffer = placed(BufferActor, where.buffer).remote(recipe.name, train_tasks, recipe.async_, recipe.train,
-                                                      recipe.algorithm, recipe.failures, record.keeps_all_samples,
-                                                      recipe.deadlines.partition_s)
-    created.extend(x for x in (scorer, buffer) if x is not None)
-    if record.keeps_all_samples:  # a failing run still records what it generated (failed groups too)
-        created.before_kill.append(lambda: record.log_discarded(
-            record.step, *ray.get(buffer.take_discarded.remote(unused=True), timeout=30)))
-    a = Actors(engines, trainer, scorer, buffer, [], own_engines, policy_ref, verifier_specs(train_tasks))
-    # the env workers' processes are made now, beside the trainer's and the engines' (their gateways
-    # serve from `_start_env_workers`, once the engines hold this run's weights)
-    a.workers = [_env_worker(a, recipe, f"w{i}") for i in range(recipe.environment.workers)]
-    created.extend(a.workers)
-    if own_engines:
-        def remake(i: int, tag: str):
-            new = _engine_actor(recipe, run_dir, policy_ref, i, tag)
-            created.append(new)
-            return new
-
-        made = list(engines)
-        start_engines(engines, remake, recipe.rollout.startup_timeout_s + 60)
-        # the env workers were made with the engines that failed to start: give them the new ones (else
-        # their calls go to killed actors and the run makes no progress; seen in the chaos bench)
-        replaced = [i for i, (old, new) in enumerate(zip(made, engines)) if old is not new]
-        ray.get([w.replace_engine.remote(i, engines[i]) for w in a.workers for i in replaced])
-    else:
-        ray.get([e.start.remote() for e in engines])
-    if not own_engines:
-        ray.get([e.set_partial_rollout.remote(recipe.rollout.partial_rollout) for e in engines])
-    return a
-
-
-ENGINE_START_TRIES = 2
-
-
-def start_engines(engines: list, remake: Callable[[int, str], Any], timeout_s: float, tag: str = "",
-                  tries: int = ENGINE_START_TRIES) -> list:
-    """Start `engines` (EngineActors this run made) together. One whose start fails (its server exited, never
-    became ready within `rollout.startup_timeout_s`, or its actor died) is killed and replaced by
-    `remake(i, tag)`, which is started in its place, up to `tries` starts per engine: a server that hangs
-    or crashes while starting (seen: one stopped mid-start by a fault) is a fault the run outlives, not
-    its end. The last failure is raised. `engines` is updated in place and returned."""
-    refs = {i: e.start.remote() for i, e in enumerate(engines)}
-    failed = dict.fromkeys(refs, 0)
-    while refs:
-        i, ref = next(iter(refs.items()))
-        try:
-            ray.get(ref, timeout=timeout_s)
-            del refs[i]
-            continue
-        except (ray.exceptions.RayError, TimeoutError) as err:
-            failed[i] += 1
-            if failed[i] >= tries:
-                raise
-            why = first_line(getattr(err, "cause", None) or err)  # a task's error: what the actor raised
-        log.warning("rollout engine %d did not start (%s); starting a new one in its place (try %d of %d)",
-                    i, why, failed[i] + 1, tries)
-        try:
-            ray.kill(engines[i])  # its server's process group ends with it (the reaper)
-        except Exception:  # noqa: BLE001  (already gone)
-            pass
-        engines[i] = remake(i, "-".join(filter(None, [tag, f"start-{failed[i] + 1}"])))
-        refs[i] = engines[i].start.remote()
-    return engines
-
-
-def _engine_urls(recipe: Recipe) -> Sequence[str | None]:
-    return recipe.rollout.urls or [None] * recipe.rollout.num_engines
-
-
-def _engine_actor(recipe: Recipe, run_dir: Path, policy_ref, i: int, tag: str = ""):
-    """Engine `i` (not yet started), placed by `placement.engine`; a restart or a retried start (`tag`)
-    logs to a file of its own."""
-    lora_rank = recipe.train.lora.rank if recipe.train.lora.enabled else 0
-    log_name = f"engine-{i}.{tag}.log" if tag else f"engine-{i}.log"
-    return placed(EngineActor, recipe.placement.engine).remote(
-        recipe.rollout.engine, policy_ref, recipe.rollout, str(run_dir / log_name), lora_rank,
-        _engine_urls(recipe)[i], shape_of(recipe))
-
-
-def _restore(a: Actors, recipe: Recipe, resume_from: Path | None) -> int:
-    """Load the checkpoint (if resuming), connect weight sync and give the engines this run's weights;
-    returns the version training continues from."""
-    version = 0
-    if resume_from is not None:
-        state = ray.get(a.trainer.load_checkpoint.remote(DirBundle.of(resume_from)))
-        ray.get(a.buffer.load_state_dict.remote(state["buffer"]))
-        version = state["version"]
-    if recipe.rollout.weight_sync == "broadcast":
-        connect_broadcast(a.engines, a.trainer, recipe.rollout.sync_backend)
-    if version or not a.own_engines or recipe.rollout.urls:  # engines we did not start may hold other weights
-        publish_weights(a.engines, a.trainer, version, recipe.rollout.weight_sync, recipe.deadlines.weight_sync_s)
-        ray.get(a.buffer.set_version.remote(version))
-    return version
-
-
-def _env_worker(a: Actors, recipe: Recipe, owner: str):
-    return placed(EnvWorkerActor, recipe.placement.env_worker).remote(
-        a.policy, recipe.environment, recipe.rollout, a.engines, a.buffer, recipe.failures, recipe.deadlines, owner,
-        a.verifiers)
-
-
-def _start_env_workers(a: Actors) -> None:
-    """The env workers' gateways serve (they produce once training starts)."""
-    ray.get([w.start.remote() for w in a.workers])
-
-
-def _supervisor(a: Actors, recipe: Recipe, run_dir: Path, created) -> Supervisor:
-    """The run's supervisor, with how to start each kind of actor again (killed with the run: `created`)."""
-    startup_s = recipe.rollout.startup_timeout_s + 60
-
-    def remake(i: int, tag: str):
-        new = _engine_actor(recipe, run_dir, a.policy, i, tag)
-        created.append(new)
-        return new
-
-    def engine(i: int, attempt: int):
-        tag = f"restart-{attempt}"
-        return start_engines([remake(i, tag)], lambda _, retry: remake(i, retry), startup_s, tag)[0]
-
-    def worker(owner: str):
-        new = _env_worker(a, recipe, owner)
-        created.append(new)
-        ray.get(new.start.remote(), timeout=startup_s)
-        return new
-
-    def scorer():
-        new = _scorer_actor(recipe)
-        created.append(new)
-        return new
-
-    return Supervisor(a, recipe, start_engine=engine, start_worker=worker,
-                      start_scorer=scorer if a.scorer is not None else None,
-                      restartable=a.own_engines and not recipe.rollout.urls)
-
-
-def _scorer_actor(recipe: Recipe):
-    distill = recipe.algorithm.distill
-    assert distill.teacher is not None  # only asked for with a teacher
-    return placed(ScorerActor, recipe.placement.scorer).remote(distill, recipe.rollout,
-                                                               DirBundle.of(distill.teacher, "teacher"))
-
-
-def _trainer_alive(a: Actors) -> bool:
-    try:
-        ray.get([r.pid.remote() for r in a.trainer_ranks()], timeout=60)
-        return True
-    except ray.exceptions.RayActorError:
-        return False
 
 
 def _spread_watch(recipe: Recipe, phase) -> SpreadWatch | None:

@@ -18,7 +18,9 @@ from factory.data.heldout import merge_chunks, suite_tasks, tasks_digest
 from factory.recipe import Recipe
 from factory.rewards import verifier_specs
 from factory.rollout.episodes import summarize
-from factory.runtime.actors import EngineActor, EnvWorkerActor, placed
+from factory.runtime.actor_base import placed
+from factory.runtime.engine_actor import EngineActor
+from factory.runtime.env_worker import EnvWorkerActor
 from factory.runtime.cluster import local_ray
 from factory.runtime.deadlines import Deadline
 from factory.runtime.transfer import DirBundle

@@ -50,7 +50,7 @@ class EngineLostDuringSync(Exception):
 
 
 class Supervisor:
-    """Watches the run's actors `a` (run.Actors; its lists are updated in place on a restart).
+    """Watches the run's actors `a` (launch.Actors; its lists are updated in place on a restart).
 
     `start_engine(i, attempt)`, `start_worker(owner token)`, `start_scorer()`: start a replacement and return
     its handle once it serves. `sync`: the run's WeightPublisher (its pending update is abandoned when

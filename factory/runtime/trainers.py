@@ -12,7 +12,8 @@ from typing import Any
 
 import ray
 
-from factory.runtime.actors import TrainerActor, placed
+from factory.runtime.actor_base import placed
+from factory.runtime.trainer_actor import TrainerActor
 from factory.runtime.transfer import DirBundle
 
 
