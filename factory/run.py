@@ -26,7 +26,7 @@ import ray
 from factory.data.lengths import fit_prompts
 from factory.data.tasks import ReasoningGymSource
 from factory.data.heldout import suite_tasks
-from factory.model.sft import base_policy_plan, ensure_base_policy
+from factory.training.base_policy import base_policy_plan, ensure_base_policy
 from factory.recording.outage import first_line
 from factory.recipe import Recipe
 from factory.support.failures import RunFailure, SpreadWatch
