@@ -62,7 +62,7 @@ bench: setup
 # trainer on node 1, rollout engine and env worker on node 2, which cannot see node 1's files.
 CLUSTER_HOME := $(STATE)/cluster-home
 cluster-demo: setup
-	$(PY) -c "from factory.model.sft import ensure_base_policy; from factory.recipe import load_recipe; \
+	$(PY) -c "from factory.training.base_policy import ensure_base_policy; from factory.recipe import load_recipe; \
 	import shutil, os; p = ensure_base_policy(load_recipe('recipes/default.yaml')); \
 	d = '$(CLUSTER_HOME)/models/policy'; shutil.rmtree(d, ignore_errors=True); shutil.copytree(p, d)"
 	FACTORY_HOME=$(CLUSTER_HOME) bash infra/cluster/netns.sh up

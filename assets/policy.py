@@ -13,7 +13,8 @@ from assets.runs import RecipeConfig, calls, user_error
 def base_policy(context: dg.AssetExecutionContext, config: RecipeConfig,
                 progress: ProgressResource) -> dg.MaterializeResult:
     """The policy RL starts from: built once per model+data fingerprint under `<state>/models/`."""
-    from factory.model.sft import ensure_base_policy, policy_fingerprint
+    from factory.model.policy_cache import policy_fingerprint
+    from factory.training.base_policy import ensure_base_policy
 
     recipe = config.load()
     every = max(1, recipe.model.sft_steps // 10)

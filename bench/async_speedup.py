@@ -104,7 +104,7 @@ def main() -> int:
 
     import ray
 
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
     from factory.run import run
     from factory.runtime.actors import EngineActor
     from factory.runtime.cluster import local_ray

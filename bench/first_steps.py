@@ -119,7 +119,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "first_steps.json"))
     args = ap.parse_args()
 
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
     from vs_trl import recipe_for
 
     policy = ensure_base_policy(recipe_for(args.steps, 8, 10_000))

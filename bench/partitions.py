@@ -46,7 +46,7 @@ OVERRIDES = ["model.sft_steps=120", "data.train_size=2000", "data.heldout_size=3
 
 def policy_dir() -> Path:
     """The default recipe's base policy at the bench's warm start (built once into the state dir)."""
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
     from factory.recipe import load_recipe
 
     return ensure_base_policy(load_recipe(REPO / "recipes" / "default.yaml", OVERRIDES))

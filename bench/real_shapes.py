@@ -87,7 +87,8 @@ def prompt_ids(key: str, index: int, length: int, vocab: int) -> list[int]:
 
 def tiny_policy() -> Path:
     """The suite's tiny Llama: the default recipe's cached policy, else any built tiny-<12 hex> dir, else built."""
-    from factory.model.sft import cached_policy_dir, ensure_base_policy
+    from factory.model.policy_cache import cached_policy_dir
+    from factory.training.base_policy import ensure_base_policy
     from factory.paths import models_dir
     from factory.recipe import load_recipe
 

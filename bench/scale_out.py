@@ -452,7 +452,7 @@ def main() -> int:
     if args.policy:
         policy = Path(args.policy)
     else:
-        from factory.model.sft import ensure_base_policy
+        from factory.training.base_policy import ensure_base_policy
         from factory.recipe import load_recipe
 
         policy = ensure_base_policy(load_recipe(REPO / "recipes" / "default.yaml", POLICY_OVERRIDES))

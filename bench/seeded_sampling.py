@@ -43,7 +43,7 @@ def main() -> None:
 
     import ray
 
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
     from factory.recipe import load_recipe
     from factory.run import run
     from factory.runtime.actors import EngineActor

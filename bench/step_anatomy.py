@@ -256,7 +256,7 @@ def main() -> int:
         ap.error("--steps must exceed --skip by more than 5")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
     from factory.recipe import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "default.yaml", [

@@ -75,7 +75,7 @@ def main() -> int:
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
     from factory.recipe import load_recipe
     from factory.support.threads import available_cores
 

@@ -184,7 +184,7 @@ def main() -> int:
         ap.error(f"--steps must be at least twice --window ({args.window})")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
     from factory.run import run
 
     recipe = bench_recipe(args.steps, args.overrides)

@@ -42,7 +42,7 @@ def main() -> None:
     import httpx
     import psutil
 
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
     from factory.recipe import load_recipe
     from factory.rollout.vllm import VLLMServer
 

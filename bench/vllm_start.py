@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "vllm_start.json"))
     args = parser.parse_args()
 
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
     from factory.recipe import load_recipe
     from factory.rollout.vllm import stop_zygote
 

@@ -344,7 +344,7 @@ def main() -> int:
     except ImportError:
         ap.error("TRL is not installed: pip install -e '.[bench]'")
 
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
 
     base = recipe_for(args.steps, 8, args.eval_every)
     policy = ensure_base_policy(base)

@@ -134,7 +134,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
     from factory.model.tokens import encode_chat
     from factory.recipe import load_recipe
     from factory.run import connect_broadcast, publish_weights

@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from assets.dev import DagsterDev  # noqa: E402
+from tests.dagster_client import DagsterDev  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent
 SWEEP_CONFIG = """ops:

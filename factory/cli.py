@@ -10,13 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+from factory.support.commands import command_parser, dispatch, fail
 from factory.support.failures import RunFailure
 from factory.recipe import Recipe, RecipeError, expand_sweep, json_schema, load_recipe
-
-
-def _fail(message: str, code: int = 2) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return code
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -199,15 +195,15 @@ def cmd_run(args) -> int:
         print(str(err), file=sys.stderr)
         return 2
     except ValueError as err:
-        return _fail(str(err))
+        return fail(str(err))
     if recipe.sweep:
-        return _fail(f"{args.recipe} holds a sweep grid: use `factory sweep {args.recipe}`")
+        return fail(f"{args.recipe} holds a sweep grid: use `factory sweep {args.recipe}`")
     try:
         results = _train_with_progress(recipe, run_dir, resume_from)
     except _user_errors() as err:
-        return _fail(_cause(err))
+        return fail(_cause(err))
     except RunFailure as err:  # whole: an environment's failure carries its first traceback
-        return _fail(str(err), 1)
+        return fail(str(err), 1)
     print_summary(results, recipe)
     return 0
 
@@ -242,11 +238,11 @@ def cmd_evaluate(args) -> int:
         print(str(err), file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as err:
-        return _fail(str(err))
+        return fail(str(err))
     except _user_errors() as err:
-        return _fail(_cause(err))
+        return fail(_cause(err))
     except RunFailure as err:
-        return _fail(str(err), 1)
+        return fail(str(err), 1)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -266,9 +262,9 @@ def cmd_replay(args) -> int:
                             out_dir=Path(args.out) if args.out else None,
                             on_step=lambda done, total: progress.update(bar, completed=done, total=total))
     except (ReplayError, ValueError, FileNotFoundError) as err:
-        return _fail(str(err))
+        return fail(str(err))
     except _user_errors() as err:
-        return _fail(_cause(err))
+        return fail(_cause(err))
     print(main_text(result))
     return 1 if result.incomplete else 0
 
@@ -286,7 +282,7 @@ def cmd_serve(args) -> int:
                             max_model_len=args.max_model_len, extra_args=lora, device=resolve_device(args.device),
                             log_path=Path(args.log) if args.log else None)
     except (EngineStartError, RuntimeError) as err:
-        return _fail(str(err))
+        return fail(str(err))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         server.start(timeout_s=args.startup_timeout)
@@ -294,9 +290,9 @@ def cmd_serve(args) -> int:
               f"attach with: rollout.urls=[{server.url}]", flush=True)
         assert server.proc is not None  # start() launched it
         server.proc.wait()
-        return _fail(f"the vLLM server exited with code {server.proc.returncode}; see {server.log_path}", 1)
+        return fail(f"the vLLM server exited with code {server.proc.returncode}; see {server.log_path}", 1)
     except EngineStartError as err:
-        return _fail(str(err), 1)
+        return fail(str(err), 1)
     except KeyboardInterrupt:
         return 0
     finally:
@@ -304,8 +300,7 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="factory", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    p, sub = command_parser(description=__doc__)
 
     r = sub.add_parser("run", help="train a recipe end to end (or continue a run: --resume RUN_ID)")
     r.add_argument("recipe", nargs="?")
@@ -373,8 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
-    return args.fn(args)
+    return dispatch(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import ray
 from factory.data.lengths import fit_prompts
 from factory.data.tasks import ReasoningGymSource
 from factory.data.heldout import suite_tasks
-from factory.model.sft import base_policy_plan, ensure_base_policy
+from factory.training.base_policy import base_policy_plan, ensure_base_policy
 from factory.recipe import Recipe
 from factory.support.failures import RunFailure, SpreadWatch
 from factory.recording.recorder import RunRecorder, latest_checkpoint, prune_checkpoints

@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
 # policies (`models/tiny-*` with their sft.json: SFT is the slow part of a session) and SGLang's venv.
 # The suite's own policies (tests/policies.py) are linked even while `make test` still builds them in
 # the background, beside the suite's first tests: a test that needs one waits for that build
-# (factory.model.sft.build_once builds at a link's target, under its lock), or builds it there itself.
+# (factory.training.base_policy.build_once builds at a link's target, under its lock), or builds it there itself.
 # Any other policy the user's cache lacks is built in the session's own dir. FACTORY_KEEP_TEST_STATE=1
 # keeps the session's dir.
 
@@ -165,7 +165,7 @@ def sglang_engine(tmp_path_factory):
 
     import ray
 
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
     from factory.runtime.actors import EngineActor
     from factory.runtime.cluster import local_ray
     from tests.integration.conftest import small_recipe

@@ -23,7 +23,7 @@ from __future__ import annotations
 def base_policy_names() -> tuple[str, ...]:
     """The directory names of the suite's base policies (the small test recipe's, the Qwen2-style one's, the
     shipped recipes' short warm starts of their smoke test)."""
-    from factory.model.sft import cached_policy_dir
+    from factory.model.policy_cache import cached_policy_dir
     from tests.integration.conftest import qwen2_recipe, small_recipe
 
     names = [cached_policy_dir(recipe).name for recipe in (small_recipe(), qwen2_recipe(), *smoke_recipes())]
@@ -32,7 +32,7 @@ def base_policy_names() -> tuple[str, ...]:
 
 def smoke_recipes() -> list:
     """The shipped recipes as tests/integration/test_shipped_recipes.py runs them (those of one policy once)."""
-    from factory.model.sft import cached_policy_dir
+    from factory.model.policy_cache import cached_policy_dir
     from tests.integration.test_shipped_recipes import RECIPES, smoke_recipe
 
     recipes = {}
@@ -81,7 +81,7 @@ def from_machine_cache(out, digest: str) -> bool:
     builders take (`build_once`), unless it is built; whether `out` is built now."""
     import shutil
 
-    from factory.model.sft import build_once
+    from factory.training.base_policy import build_once
 
     cache = machine_cache()
     entry = None if cache is None else cache / f"{out.name}-{digest}"
@@ -123,7 +123,8 @@ def main() -> None:
     import tempfile
     from pathlib import Path
 
-    from factory.model.sft import cached_policy_dir, ensure_base_policy
+    from factory.model.policy_cache import cached_policy_dir
+    from factory.training.base_policy import ensure_base_policy
     from factory.paths import models_dir
     from tests.integration.conftest import qwen2_recipe, small_recipe
     from tests.integration.test_gsm8k_format import ensure_forgetful_policy, forgetful_policy_key, write_easy_files

@@ -101,7 +101,7 @@ def test_without_wait_a_held_lock_is_refused_naming_its_holder(tmp_path):
 
 def _build_into_shared(shared: Path, log: Path) -> None:
     """A builder in another process (`python -m tests.policies` in the user's state dir): publishes `shared`."""
-    from factory.model.sft import build_once
+    from factory.training.base_policy import build_once
 
     def build(tmp: Path) -> None:
         with open(log, "a") as f:
@@ -116,7 +116,7 @@ def test_a_policy_linked_before_it_is_built_is_waited_for_at_the_link_target(tmp
     """A test session links the user's policy before `make test`'s background build has made it: a build
     through the link waits for that builder (its lock is the target's) and builds nothing itself; with
     no builder, it builds at the target, and the link then resolves to it."""
-    from factory.model.sft import build_once
+    from factory.training.base_policy import build_once
 
     user, session = tmp_path / "user" / "models", tmp_path / "session" / "models"
     session.mkdir(parents=True)

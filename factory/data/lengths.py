@@ -84,8 +84,9 @@ def measure(recipe, tokenizer, tasks: list[Task]) -> PromptLengths:
 
 def check_tokenizer(recipe, source):
     """The tokenizer a run of `recipe` will use: model.path's, the cached warm start's, or (not built
-    yet) the one its warm start will build, on the same texts (`factory.model.sft._build_base_policy`)."""
-    from factory.model.sft import base_policy_path, tokenizer_texts
+    yet) the one its warm start will build, on the same texts (`factory.training.base_policy._build_base_policy`)."""
+    from factory.model.policy_cache import base_policy_path
+    from factory.model.sft import tokenizer_texts
     from factory.model.tiny import build_tokenizer
 
     policy = base_policy_path(recipe)

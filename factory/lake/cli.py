@@ -14,15 +14,11 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from factory.lake.query import LakeQueryError
 from factory.recording.outage import first_line
+from factory.support.commands import command_parser, dispatch, fail
 
 # Errors a user can cause (bad SQL, unreachable or malformed catalog): one line, no traceback.
 _USER_ERRORS = (LakeQueryError, ValueError, OSError, SQLAlchemyError, pyiceberg.exceptions.NoSuchTableError,
                 pyiceberg.exceptions.NoSuchNamespaceError, pyiceberg.exceptions.RESTError)
-
-
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
 
 
 def _catalog_props(pairs: list[str]) -> dict[str, str] | None:
@@ -47,7 +43,7 @@ def cmd_sql(args) -> int:
     try:
         result = sql(args.query, catalog=_open(args), namespace=args.namespace)
     except _USER_ERRORS as err:
-        return _fail(first_line(err, with_type=False))
+        return fail(first_line(err, with_type=False))
     if args.format == "json":
         for row in result.to_pylist():
             print(json.dumps(row, default=str))
@@ -62,7 +58,7 @@ def cmd_tables(args) -> int:
     try:
         result = table_summaries(catalog=_open(args), namespace=args.namespace)
     except _USER_ERRORS as err:
-        return _fail(first_line(err, with_type=False))
+        return fail(first_line(err, with_type=False))
     for row in result.to_pylist():  # a table per paragraph: name and rows, then its columns, wrapped
         print(f"{row['table']}: {row['rows']} rows")
         print(textwrap.fill(row["columns"], width=100, initial_indent="  ", subsequent_indent="  "))
@@ -76,7 +72,7 @@ def cmd_maintain(args) -> int:
         report = maintain(_open(args), args.namespace, keep_last=args.keep_snapshots,
                           orphan_older_than_s=args.orphan_age_s)
     except _USER_ERRORS as err:
-        return _fail(first_line(err, with_type=False))
+        return fail(first_line(err, with_type=False))
     for table, counts in report.items():
         print(f"{table:12s} files {counts['files_before']:>5d} → {counts['files_after']:<5d} "
               f"rows rewritten {counts['rows_rewritten']:>7d}  snapshots expired "
@@ -91,7 +87,7 @@ def cmd_check(args) -> int:
     try:
         results = run_checks(args.run_id, args.max_staleness, catalog=_open(args), namespace=args.namespace)
     except _USER_ERRORS as err:
-        return _fail(first_line(err, with_type=False))
+        return fail(first_line(err, with_type=False))
     for result in results.values():
         print(f"{'ok ' if result.passed else 'FAIL'} {result.name:26s} {result.count}")
         for example in result.examples:
@@ -138,11 +134,8 @@ def add_lake_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m factory.lake.cli …` until the commands are wired into `factory`."""
-    parser = argparse.ArgumentParser(prog="factory")
-    add_lake_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.fn(args)
+    """`python -m factory.lake.cli …`: the lake commands alone."""
+    return dispatch(command_parser(add_lake_commands)[0], argv)
 
 
 if __name__ == "__main__":

@@ -182,7 +182,8 @@ def cmd_compare(args) -> int:
 
 def add_runs_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add `runs list|show|compare` to a `factory` CLI's subparsers (each sets `fn`)."""
-    from factory.lake.cli import _USER_ERRORS, _fail, _open, catalog_arguments
+    from factory.lake.cli import _USER_ERRORS, _open, catalog_arguments
+    from factory.support.commands import fail
     from factory.recording.outage import first_line
 
     def guarded(fn):
@@ -191,7 +192,7 @@ def add_runs_commands(subparsers: argparse._SubParsersAction) -> None:
             try:
                 return fn(args)
             except _USER_ERRORS as err:
-                return _fail(first_line(err, with_type=False))
+                return fail(first_line(err, with_type=False))
         return call
 
     runs = subparsers.add_parser("runs", help="runs as the lake recorded them: list, show, compare")

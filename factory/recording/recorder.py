@@ -197,7 +197,7 @@ class RunRecorder:
         """The run's lineage (`factory.recording.lineage.origin`). First called once the base policy exists (the
         first evaluation, step or checkpoint); then recorded: a `runs` row per attempt, MLflow tags."""
         if self._origin is None:
-            from factory.model.sft import base_policy_path
+            from factory.model.policy_cache import base_policy_path
 
             self._origin = lineage.origin(self.recipe, base_policy_path(self.recipe))  # never builds one
             mlflow_run_id = self.tracker.run_id if self.tracker is not None else None

@@ -128,7 +128,7 @@ def replay(run_id: str, catalog=None, namespace: str = NAMESPACE, checkpoint: Pa
 
     from factory.lake.catalog import open_catalog
     from factory.recording.lineage import policy_fingerprint
-    from factory.model.sft import base_policy_path
+    from factory.model.policy_cache import base_policy_path
     from factory.training.trainer import Trainer
 
     catalog = catalog if catalog is not None else open_catalog(namespace=namespace)

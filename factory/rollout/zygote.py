@@ -105,7 +105,7 @@ def _code_fingerprint(module: str) -> list:
     import importlib.util
 
     here = Path(__file__).resolve().parent
-    files = [Path(__file__), here.parent / "lean_imports.py", *sorted((here / "vllm_site").glob("*.py"))]
+    files = [Path(__file__), here.parent / "support" / "lean_imports.py", *sorted((here / "vllm_site").glob("*.py"))]
     try:  # a top-level package's spec is found without importing it
         spec = importlib.util.find_spec(module.split(".")[0])
         if spec is not None and spec.origin:

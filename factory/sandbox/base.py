@@ -11,17 +11,19 @@ import os
 import shutil
 import stat
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Literal, TypeVar, get_args
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 
 Reason = Literal["ok", "exit_nonzero", "timeout", "cpu", "memory", "pids", "output_limit", "killed"]
 REASONS: tuple[str, ...] = get_args(Reason)
 
+POLL_S = 0.05  # how often the CPU budget is checked while a program runs
 SANDBOX_UID = 65534  # nobody: never the host's root, in either backend
 WORKDIR = "/work"  # the program's files and its working directory, in every backend
 SANDBOX_ENV = {
@@ -115,6 +117,21 @@ def decide_reason(*, exit_code: int | None, oom_kills: int = 0, pids_hits: int =
     if exit_code is None or exit_code > 128:
         return "killed"
     return "ok" if exit_code == 0 else "exit_nonzero"
+
+
+async def watch_limits(done: asyncio.Future, deadline: float, cpu_s: float | None,
+                       cpu_used: Callable[[], float | None] | None) -> tuple[bool, bool]:
+    """Wait for `done` until `deadline` (time.monotonic), polling `cpu_used` against the budget `cpu_s`
+    when both are given. Returns (timed out, CPU budget exceeded); on either, `done` is still pending."""
+    watch_cpu = cpu_s is not None and cpu_used is not None
+    while not done.done():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return True, False
+        await asyncio.wait([done], timeout=min(remaining, POLL_S) if watch_cpu else remaining)
+        if watch_cpu and not done.done() and (cpu_used() or 0) >= cpu_s:
+            return False, True
+    return False, False
 
 
 def safe_relpath(name: str) -> PurePosixPath:

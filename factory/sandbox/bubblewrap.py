@@ -40,13 +40,12 @@ from pathlib import Path
 from factory.sandbox import cgroups
 from factory.sandbox.base import (
     SANDBOX_ENV, SANDBOX_UID, WORKDIR, Limits, Program, Result, Sandbox, SandboxUnavailable, decide_reason,
-    fresh_workdir, read_capped, scratch_root, write_files,
+    fresh_workdir, read_capped, scratch_root, watch_limits, write_files,
 )
 
 _HOST_ETC = ("passwd", "group", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime",
              "alternatives", "hosts", "mime.types", "ssl")
 _STATUS_FD = 3
-_POLL_S = 0.05  # how often the CPU budget is checked while a program runs
 _OVERHEAD_PIDS = 2  # bwrap and its pid-1 init share the sandbox's pids budget
 
 
@@ -202,21 +201,10 @@ class BubblewrapSandbox(Sandbox):
     async def _wait(self, pid: int, started: float, limits: Limits, group) -> tuple[bool, bool, resource.struct_rusage]:
         """Wait for the launcher to exit, killing the sandbox at the wall deadline or past the CPU
         budget; reaps it. Returns (timed out, CPU budget exceeded, rusage)."""
-        timed_out = cpu_exceeded = False
-        watch_cpu = limits.cpu_s is not None and group is not None
         exited = await _exit_waiter(pid)
         try:
-            deadline = started + limits.wall_s
-            while not exited.done():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    timed_out = True
-                    break
-                await asyncio.wait([exited], timeout=min(remaining, _POLL_S) if watch_cpu else remaining)
-                if (limits.cpu_s is not None and group is not None and not exited.done()
-                        and (group.cpu_seconds() or 0) >= limits.cpu_s):
-                    cpu_exceeded = True
-                    break
+            timed_out, cpu_exceeded = await watch_limits(exited, started + limits.wall_s, limits.cpu_s,
+                                                         group.cpu_seconds if group is not None else None)
             if not exited.done():
                 _kill_group(pid)  # bwrap's pid 1 dies with it, and the kernel empties its pid namespace
                 if group is not None:

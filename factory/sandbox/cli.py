@@ -8,11 +8,7 @@ import json
 import sys
 
 from factory.sandbox.base import SandboxUnavailable
-
-
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
+from factory.support.commands import command_parser, dispatch, fail
 
 
 def cmd_build(args) -> int:
@@ -24,7 +20,7 @@ def cmd_build(args) -> int:
             info = build_image(name, force=args.force, docker=False if args.no_docker else None)
             print(json.dumps(info))
     except SandboxUnavailable as err:
-        return _fail(str(err))
+        return fail(str(err))
     return 0
 
 
@@ -50,7 +46,7 @@ def cmd_check(args) -> int:
     try:
         sandbox = make_sandbox(args.backend, args.image)
     except SandboxUnavailable as err:
-        return _fail(str(err))
+        return fail(str(err))
     try:
         report = run_blocking(check_sandbox(sandbox))
     finally:
@@ -80,11 +76,8 @@ def add_sandbox_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m factory.sandbox.cli …` until the commands are wired into `factory`."""
-    parser = argparse.ArgumentParser(prog="factory")
-    add_sandbox_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.fn(args)
+    """`python -m factory.sandbox.cli …`: the sandbox commands alone."""
+    return dispatch(command_parser(add_sandbox_commands)[0], argv)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from factory.sandbox.base import (
     SANDBOX_ENV, SANDBOX_UID, WORKDIR, Limits, Program, Result, Sandbox, SandboxUnavailable, decide_reason,
-    fresh_workdir, read_capped, safe_relpath, scratch_root, write_files,
+    fresh_workdir, read_capped, safe_relpath, scratch_root, watch_limits, write_files,
 )
 from factory.sandbox.cgroups import Cgroup
 
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 
 LABEL = "factory.sandbox"
 IO_DIR = "/io"
-_POLL_S = 0.05
 _GRACE_S = 1.0  # past wall_s before the host gives up on the in-container `timeout` and kills the container
 _OVERHEAD_PIDS = 4  # docker-init, sleep, sh, timeout
 
@@ -341,19 +340,9 @@ class DockerSandbox(Sandbox):
             cpu0, oom0, pids0 = (group.cpu_seconds(), group.oom_kills(), group.pids_hits()) if group else (None, 0, 0)
             started = time.monotonic()
             done = asyncio.wrap_future(self._threads.submit(self._exec, worker, program, limits))
-            timed_out = cpu_exceeded = killed_container = False
-            deadline = started + limits.wall_s + _GRACE_S
-            watch_cpu = limits.cpu_s is not None and group is not None and cpu0 is not None
-            while not done.done():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    timed_out = True
-                    break
-                await asyncio.wait([done], timeout=min(remaining, _POLL_S) if watch_cpu else remaining)
-                if (group is not None and cpu0 is not None and limits.cpu_s is not None and not done.done()
-                        and (group.cpu_seconds() or 0) - cpu0 >= limits.cpu_s):
-                    cpu_exceeded = True
-                    break
+            killed_container = False
+            spent = (lambda: (group.cpu_seconds() or 0) - cpu0) if group is not None and cpu0 is not None else None
+            timed_out, cpu_exceeded = await watch_limits(done, started + limits.wall_s + _GRACE_S, limits.cpu_s, spent)
             if not done.done():
                 killed_container = True
                 await loop.run_in_executor(self._threads, _kill, worker.container)

@@ -81,7 +81,7 @@ def test_data_overlong_takes_three_values_and_names_itself_otherwise():
 
 
 def test_data_overlong_at_its_default_leaves_the_fingerprints_as_they_were():
-    from factory.model.sft import policy_fingerprint
+    from factory.model.policy_cache import policy_fingerprint
 
     recipe = recipe_from_dict({})
     dump = recipe.data.model_dump(mode="json")

@@ -28,7 +28,7 @@ import psutil
 import psycopg2
 import pytest
 
-from assets.dev import DagsterClient
+from tests.dagster_client import DagsterClient
 from assets.runs import checkpoint_step, latest_checkpoint
 from infra.stack import alive
 from tests.integration.conftest import FILTER_ON, TEST_OVERRIDES

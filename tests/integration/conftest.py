@@ -47,7 +47,7 @@ def recipe():
 
 @pytest.fixture(scope="session")
 def policy(recipe):
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
 
     return ensure_base_policy(recipe)
 
@@ -84,7 +84,7 @@ def engine(ray_cluster, recipe, policy, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def qwen2_policy():
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
 
     return ensure_base_policy(qwen2_recipe())
 

@@ -20,7 +20,7 @@ import pytest
 import ray
 from mlflow import MlflowClient
 
-from assets.dev import DagsterDev
+from tests.dagster_client import DagsterDev
 from assets.runs import partition_key
 from assets.sweeps import parse_grid
 from factory.lake import open_catalog, sql

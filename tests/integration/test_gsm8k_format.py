@@ -80,7 +80,7 @@ def ensure_forgetful_policy(policy: Path, easy_files: list[str], progress=None) 
     warm start's settings). A test session links the user's, built or not (`python -m tests.policies`,
     which `make test` runs in the background, builds it there: ~55 s on 2 cores): it waits for that build,
     or builds it there itself."""
-    from factory.model.sft import build_once
+    from factory.training.base_policy import build_once
     from factory.paths import models_dir
 
     from tests.conftest import link_user_policy

@@ -71,7 +71,7 @@ def test_the_warm_start_uses_every_core_then_gives_the_thread_count_back(tiny):
 
 
 def test_the_stop_target_keys_the_cached_policy_only_when_set():
-    from factory.model.sft import policy_fingerprint
+    from factory.model.policy_cache import policy_fingerprint
 
     plain = recipe_from_dict({})
     assert policy_fingerprint(plain) == policy_fingerprint(recipe_from_dict({}, overrides=["model.sft_stop_loss=null"]))
@@ -89,7 +89,8 @@ def test_a_build_keeps_its_key_beside_the_policy_and_the_fingerprint_is_its_dige
     import hashlib
     import json
 
-    from factory.model.sft import _build_base_policy, policy_fingerprint, policy_key
+    from factory.model.policy_cache import policy_fingerprint, policy_key
+    from factory.training.base_policy import _build_base_policy
 
     recipe = recipe_from_dict({}, overrides=TINY)
     _build_base_policy(recipe, tmp_path, None)
@@ -100,7 +101,8 @@ def test_a_build_keeps_its_key_beside_the_policy_and_the_fingerprint_is_its_dige
 
 
 def test_key_differences_name_the_recipe_fields_that_changed():
-    from factory.model.sft import key_differences, policy_key
+    from factory.model.policy_cache import policy_key
+    from factory.training.base_policy import key_differences
 
     base = policy_key(recipe_from_dict({}))
     assert key_differences(base, base) == []
@@ -118,7 +120,7 @@ def cache(models, name: str, recipe=None, architecture: str = "llama", seconds: 
     """A fabricated cached policy: sft.json, and key.json when `recipe` is given."""
     import json
 
-    from factory.model.sft import policy_key
+    from factory.model.policy_cache import policy_key
 
     out = models / name
     out.mkdir(parents=True)
@@ -130,7 +132,8 @@ def cache(models, name: str, recipe=None, architecture: str = "llama", seconds: 
 
 
 def test_the_plan_names_a_cached_policy_or_why_and_how_long_a_build_takes(tmp_path, monkeypatch):
-    from factory.model.sft import SFT_SECONDS_PER_STEP, base_policy_plan, cached_policy_dir
+    from factory.model.policy_cache import cached_policy_dir
+    from factory.training.base_policy import SFT_SECONDS_PER_STEP, base_policy_plan
 
     monkeypatch.setenv("FACTORY_HOME", str(tmp_path))
     models = tmp_path / "models"

@@ -29,7 +29,7 @@ QUESTIONS = ["Calculate 12 + 34.", "Calculate 7 + 58.", "Calculate 90 + 9.", "Ca
 
 @pytest.fixture(scope="module")
 def policy():
-    from factory.model.sft import ensure_base_policy
+    from factory.training.base_policy import ensure_base_policy
     from tests.integration.conftest import small_recipe
 
     return str(ensure_base_policy(small_recipe()))
