@@ -28,8 +28,8 @@ import time
 from collections import Counter, deque
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
-from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is imported
 # MLflow's own HTTP retries (7, ~4 min per call) would hide deadlines.service_outage_s: RunTracker retries
@@ -51,11 +51,10 @@ from mlflow.utils.validation import (  # noqa: E402
 
 from factory.support import profile  # noqa: E402
 from factory.support.failures import ServiceOutage  # noqa: E402
-from factory.recording.outage import Outage, retry  # noqa: E402
+from factory.recording.outage import GuardedClient, Outage  # noqa: E402
 from factory.paths import state_dir  # noqa: E402
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 MAX_QUEUED = 256  # batches (a step's metrics is one) waiting in memory while the store is unreachable
 # the sender stores at most one merged batch per this many seconds (flush and end do not wait for it): a
 # step's batch cost the run's process ~40 ms of CPU on the SQLite store, most of it per call (a query of
@@ -124,8 +123,10 @@ def mlflow_key(name: str) -> str:
     return key[:MAX_ENTITY_KEY_LENGTH] or "_"
 
 
-class RunTracker:
+class RunTracker(GuardedClient):
     """One MLflow run for one RL run: `start` → `log_metrics`/`log_artifact`/`log_plots` → `end`."""
+
+    _transient = staticmethod(transient)
 
     def __init__(self, tracking_uri: str | None = None, experiment: str = DEFAULT_EXPERIMENT, *,
                  outage_deadline_s: float = 300.0, spill_path: Path | None = None,
@@ -160,17 +161,6 @@ class RunTracker:
         if self._client is None:
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
-
-    def _call(self, fn: Callable[[], T]) -> T:
-        """`fn()` (a call to the store), retried through an outage up to the deadline."""
-        if self._gave_up is not None:
-            raise self._gave_up
-        try:
-            return retry(fn, self.outage, transient, kept=self._kept)
-        except ServiceOutage as error:
-            with self._lock:
-                self._gave_up = self._gave_up or error
-            raise
 
     def _experiment_id(self) -> str:
         found = self._call(partial(self.client.get_experiment_by_name, self.experiment))
