@@ -4,6 +4,7 @@ Store: the tracking URI given (from the recipe), else the production profile's t
 else $MLFLOW_TRACKING_URI, else a SQLite store at `<state>/mlflow/mlflow.db` with artifacts under
 `<state>/mlflow/artifacts`.
 A resumed RL run continues its MLflow run (`start(..., resume_run_id=...)`), so its curves stay one.
+`TrackingSink` is MLflow as one of a run's sinks (`factory.recording.sinks`).
 
 Outages of the store (the server, or its database behind it) do not stop training: each step's
 metrics and tags go into a queue that one background thread sends, retrying with backoff and jitter
@@ -29,7 +30,7 @@ from collections import Counter, deque
 from functools import partial
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is imported
 # MLflow's own HTTP retries (7, ~4 min per call) would hide deadlines.service_outage_s: RunTracker retries
@@ -49,6 +50,9 @@ from mlflow.utils.validation import (  # noqa: E402
     MAX_TAG_VAL_LENGTH,
 )
 
+from factory.core.types import Batch  # noqa: E402
+from factory.recording import lineage  # noqa: E402
+from factory.recording.sinks import Sink  # noqa: E402
 from factory.support import profile  # noqa: E402
 from factory.support.failures import ServiceOutage  # noqa: E402
 from factory.recording.outage import GuardedClient, Outage  # noqa: E402
@@ -62,6 +66,7 @@ MAX_QUEUED = 256  # batches (a step's metrics is one) waiting in memory while th
 SEND_INTERVAL_S = 2.0
 
 DEFAULT_EXPERIMENT = "factory"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # values in MLflow's UI: genai_development, custom_model_development
 RUN_TAG = "factory.run"  # the RL run's name, to find its MLflow run again on resume
 REWARD_METRIC = "rollout/reward_mean"
 THROUGHPUT_METRIC = "perf/samples_per_s"  # trained samples / seconds since training started: a running mean
@@ -406,6 +411,58 @@ class RunTracker(GuardedClient):
         where = f"{spilled} unsent batches in {self.spill_path}" if spilled else "nothing on disk"
         return (f"every step's metrics in the run dir's metrics.jsonl; {where}"
                 f"{f', {memory} in memory' if memory else ''}")
+
+
+class TrackingSink(Sink):
+    """MLflow as a run's sink: the recipe as params, each step's metrics, the run's lineage as tags,
+    evaluation summaries, and at the end plots and the run's files. A relaunched run continues its
+    MLflow run; a sweep's child run names its parent."""
+
+    def __init__(self, recipe, run_dir: Path, run_id: str, resumed_from: int | None = None,
+                 parent_run_id: str | None = None) -> None:
+        self.dir = run_dir
+        self.staleness: Counter[int] = Counter()  # trained samples by staleness (counts: runs last days)
+        self.tracker = RunTracker(recipe.tracking.uri, recipe.tracking.experiment,
+                                  outage_deadline_s=recipe.deadlines.service_outage_s,
+                                  spill_path=run_dir / "tracking-spill.jsonl")
+        resume = self.tracker.find_run(run_id)  # a relaunched run continues its MLflow run
+        tags = {"factory.resumed_from_step": str(resumed_from)} if resumed_from is not None else {}
+        if parent_run_id:  # a sweep's child run
+            tags["mlflow.parentRunId"] = parent_run_id
+        self.tracker.start(run_id, params=recipe.dump(), tags=tags, resume_run_id=resume)
+        # MLflow 3's UI opens an experiment without this tag on its GenAI (traces) view; ours hold training runs
+        self.tracker.set_experiment_tag(EXPERIMENT_KIND_TAG, "custom_model_development")
+
+    def ids(self) -> dict[str, Any]:
+        return {"mlflow_run_id": self.tracker.run_id}
+
+    def metrics(self) -> dict[str, float]:  # tracking/outage_s: how long MLflow was unreachable so far
+        return self.tracker.metrics()
+
+    def start(self, origin: dict[str, Any], ids: dict[str, Any]) -> None:
+        self.tracker.set_tags(lineage.mlflow_tags(origin))
+
+    def samples(self, step: int, batch: Batch | None = None, discarded: Sequence = (), failed: Sequence = (),
+                dropped: Sequence = ()) -> None:
+        if batch is not None:
+            self.staleness.update(batch.version - s.oldest_version for s in batch.samples)
+
+    def step(self, step: int, metrics: dict[str, Any]) -> None:
+        self.tracker.log_metrics(step, metrics)
+
+    def evaluation(self, step: int, version: int, suite: str, tag: str, result: dict[str, Any], episodes: list | None,
+                   checkpoint: Path | None, manifest: dict[str, Any]) -> None:
+        self.tracker.log_metrics(step, {f"eval/{suite}_mean": result["mean"], f"eval/{suite}_stderr": result["stderr"]})
+
+    def flush(self, checkpoint_step: int | None = None) -> None:
+        self.tracker.flush()
+
+    def finish(self, results: dict[str, Any] | None, status: str) -> None:
+        if results is not None:
+            self.tracker.log_plots(self.dir / "metrics.jsonl", self.staleness)
+            for name in ("recipe.yaml", "results.json"):
+                self.tracker.log_artifact(self.dir / name)
+        self.tracker.end(status)
 
 
 def read_series(metrics_jsonl: Path, names: Iterable[str]) -> dict[str, list[tuple[int, float]]]:
