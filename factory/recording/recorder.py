@@ -108,7 +108,7 @@ class RunRecorder:
         self._queued.append(self._worker.submit(fn, *args))
 
     def drain(self) -> None:
-        """Wait until every submitted sample row is written (files) and handed to the lake writer."""
+        """Wait until every submitted sample is handed to the sinks (files written, lake rows queued)."""
         queued, self._queued = self._queued, []
         for f in queued:
             f.result()

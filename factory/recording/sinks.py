@@ -17,7 +17,7 @@ from factory.recording import lineage
 
 
 class Sink:
-    """One destination of a run's records. Every method but `finish` may do nothing."""
+    """One destination of a run's records; each method does nothing unless the sink keeps that record."""
 
     keeps_all_samples = False  # records untrained samples (discarded, failed, dropped, evaluation episodes)
     rewinds = False  # a resumed run rewinds its records to the checkpoint, which it then records again
