@@ -25,6 +25,7 @@ import ray
 from factory.data.lengths import fit_prompts
 from factory.data.tasks import ReasoningGymSource
 from factory.data.heldout import suite_tasks
+from factory.model.policy_cache import base_policy_path
 from factory.training.base_policy import base_policy_plan, ensure_base_policy
 from factory.recipe import Recipe
 from factory.support.failures import RunFailure, SpreadWatch
@@ -65,7 +66,8 @@ def run(recipe: Recipe, run_dir: Path, on_step: Callable[[StepReport], None] | N
     phase = on_phase or (lambda _: None)
     restarts, before = 0, None
     while True:
-        record = RunRecorder(recipe, run_dir, resume_from=resume_from)
+        # a resumed run's base policy exists: a checkpoint it re-records may need the run's lineage now
+        record = RunRecorder(recipe, run_dir, resume_from=resume_from, base_policy=base_policy_path(recipe))
         try:
             results = _run(recipe, run_dir, record, on_step, phase, resume_from, engines, on_sft_step, before)
         except TrainerLost as lost:
@@ -134,6 +136,7 @@ def _inputs(recipe: Recipe, record: RunRecorder, phase, on_sft_step) -> tuple[Pa
     # a resumed run starts from the base policy too and loads the checkpoint's state into the trainer: the
     # KL reference and the LoRA base stay the original policy (not the checkpoint's merged weights)
     policy = ensure_base_policy(recipe, on_sft_step)
+    record.base_policy = policy  # the run's lineage names it
     source = ReasoningGymSource.from_recipe(recipe.data)
     # prompts longer than the engines' context: one line before anything starts, or dropped or cut (data.overlong)
     record.log_dropped(fit_prompts(recipe, policy, source))

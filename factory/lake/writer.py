@@ -37,18 +37,16 @@ what was still pending is in `spill_dir`.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import threading
 import time
 import uuid
 from collections import defaultdict
-from datetime import datetime, UTC
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
-from collections.abc import Callable, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -62,10 +60,9 @@ from factory.support.failures import ServiceOutage
 from factory.lake.catalog import open_catalog, service_of, transient
 from factory.lake.maintenance import expire_snapshots
 from factory.lake.schemas import NAMESPACE, TABLES, TableSpec, table_spec
-from factory.recording.outage import Outage, backoff_s, first_line, retry
-from factory.core.types import Batch, Sample
-
-T = TypeVar("T")
+from factory.lake.rows import (dropped_row, evaluation_rows, failed_row, normalize,  # noqa: F401  (imported from here)
+                               sample_row, sample_rows)
+from factory.recording.outage import GuardedClient, Outage, backoff_s, first_line
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +90,14 @@ class LakeWriteError(RuntimeError):
     """A batch could not be committed after all retries (its rows stay pending)."""
 
 
-class TrajectoryWriter:
+class TrajectoryWriter(GuardedClient):
     """Batching, retrying, exactly-once stream writer for the lake tables.
 
     Usage: `w = TrajectoryWriter(run_id=...)`; `w.append("samples", rows)` any number of times;
     `w.flush()` to wait for everything appended so far to be committed; `w.close()` at the end.
     """
+
+    _transient = staticmethod(transient)
 
     def __init__(self, catalog: Catalog | None = None, namespace: str = NAMESPACE, run_id: str | None = None,
                  *, batch_rows: int = 64, flush_interval_s: float = 2.0, expire_every: int = 20,
@@ -153,7 +152,7 @@ class TrajectoryWriter:
         self._raise_pending_error()
         if self._closed:
             raise RuntimeError("TrajectoryWriter is closed")
-        normalized = [self._normalize(spec, row) for row in rows]  # raises before anything is queued
+        normalized = [normalize(spec, row, self.run_id) for row in rows]  # raises before anything is queued
         for value in {_scope_of(spec, row) for row in normalized}:
             self._load_keys(spec, value)  # a scan: outside the lock
         fresh = []
@@ -320,31 +319,6 @@ class TrajectoryWriter:
                 "lake/outage_s": self.outage.seconds(), "lake/spilled_rows": float(s["spilled"]),
                 "lake/held_keys": float(held)}
 
-    def _normalize(self, spec: TableSpec, row: dict[str, Any]) -> dict[str, Any]:
-        row = dict(row)
-        unknown = row.keys() - spec.columns
-        if unknown:
-            raise ValueError(f"lake table {spec.name!r} has no column(s) {sorted(unknown)}")
-        if spec.run_scoped and row.get("run_id") is None:
-            if self.run_id is None:
-                raise ValueError(f"lake table {spec.name!r}: row has no run_id and the writer has none")
-            row["run_id"] = self.run_id
-        for column in spec.key:
-            if row.get(column) is None:
-                raise ValueError(f"lake table {spec.name!r}: row is missing key column {column!r}")
-        for column in spec.json_columns:
-            value = row.get(column)
-            if value is not None and not isinstance(value, str):
-                row[column] = json.dumps(value, sort_keys=True, default=str)
-        for column in spec.number_maps:  # a step's metrics may carry a stray string or None
-            if isinstance(row.get(column), dict):
-                row[column] = {str(k): float(v) for k, v in row[column].items()
-                               if isinstance(v, (int, float))}
-        for column in spec.now_columns:
-            if row.get(column) is None:
-                row[column] = datetime.now(UTC)
-        return row
-
     def _load_keys(self, spec: TableSpec, value: str | None) -> None:
         """On first sight of a partition (scope value) in a table, read back its committed keys (a
         run's: from its floor up)."""
@@ -378,15 +352,6 @@ class TrajectoryWriter:
             error, self._error = self._error, None
         if error is not None:
             raise LakeWriteError(f"lake commit failed: {error}") from error
-
-    def _call(self, fn: Callable[[], T]) -> T:
-        """`fn()` (a catalog or object-store call), retried through an outage up to the deadline."""
-        try:
-            return retry(fn, self.outage, transient, kept=self._kept)
-        except ServiceOutage as error:
-            with self._lock:
-                self._gave_up = self._gave_up or error
-            raise
 
     def _service_of(self, error: BaseException | None) -> str:
         return service_of(getattr(self.catalog, "properties", {}), error)
@@ -619,53 +584,3 @@ def _max_position_per_run(data: pa.Table, column: str) -> dict[str, int]:
     grouped = data.group_by("run_id").aggregate([(column, "max")])
     return {run: int(v) for run, v in zip(grouped["run_id"].to_pylist(), grouped[f"{column}_max"].to_pylist())
             if v is not None}
-
-
-def sample_row(sample: Sample, run_id: str, status: str, step: int, *, trained_version: int | None = None,
-               sample_id: str | None = None, info: dict[str, Any] | None = None,
-               batch_position: int | None = None) -> dict[str, Any]:
-    """The `samples` row of one generated sample whose fate is `status` (`schemas.SAMPLE_STATUSES`),
-    recorded at optimizer step `step`. Trained rows carry `trained_version` and their staleness."""
-    trained = status == "trained"
-    if trained and trained_version is None:
-        raise ValueError(f"sample {sample.sample_id}: a trained row needs its trained_version")
-    return {
-        "run_id": run_id, "sample_id": sample_id or sample.sample_id, "group_id": sample.group_id,
-        "task_id": sample.task_id, "prompt_ids": sample.prompt_ids, "completion_ids": sample.completion_ids,
-        "logprobs": sample.logprobs, "versions": sample.versions, "loss_mask": sample.loss_mask,
-        "reward": sample.reward, "turns": sample.turns, "env": sample.env,
-        "finish_reason": sample.finish_reason, "timings": sample.timings, "info": {**sample.info, **(info or {})} or None,
-        "trained_step": step if trained else None, "trained_version": trained_version if trained else None,
-        "staleness": trained_version - sample.oldest_version if trained and trained_version is not None else None,
-        "status": status, "step": step, "prompt_text": sample.prompt_text or None,
-        "completion_text": sample.completion_text or None, "support": sample.support or None,
-        "teacher_logprobs": sample.teacher_logprobs or None, "batch_position": batch_position,
-    }
-
-
-def sample_rows(batch: Batch, run_id: str, step: int) -> list[dict[str, Any]]:
-    """Rows for the `samples` table from the batch the trainer consumed at optimizer step `step`.
-
-    staleness = batch.version − (version of the sample's oldest sampled token).
-    """
-    return [sample_row(s, run_id, "trained", step, trained_version=batch.version, batch_position=i)
-            for i, s in enumerate(batch.samples)]
-
-
-def evaluation_rows(run_id: str, step: int, version: int, suite: str, tag: str, episodes: list) -> list[dict[str, Any]]:
-    """`samples` rows of an evaluation's episodes (status `evaluation`), ids `eval-{step}-{episode id}`: two
-    evaluations of one run never share an id (their episode ids carry the evaluation's tag)."""
-    return [sample_row(e, run_id, "evaluation", step, sample_id=f"eval-{step}-{e.sample_id}",
-                       info={"suite": suite, "tag": tag, "version": version}) for e in episodes if e is not None]
-
-
-def failed_row(run_id: str, group_id: str, task_id: str, env: str, error: str, step: int) -> dict[str, Any]:
-    """The one `samples` row of a group whose episode raised: no tokens, the error's first line."""
-    return {"run_id": run_id, "sample_id": f"{group_id}-failed", "group_id": group_id, "task_id": task_id,
-            "env": env, "status": "failed", "step": step, "error": error}
-
-
-def dropped_row(run_id: str, task_id: str, env: str, error: str) -> dict[str, Any]:
-    """The one `samples` row of a task left out at the run's start (`data.overlong: drop`): step 0, no tokens."""
-    return {"run_id": run_id, "sample_id": f"dropped-{task_id}", "task_id": task_id, "env": env, "status": "dropped",
-            "step": 0, "error": error}

@@ -7,7 +7,8 @@ attempts it sleeps `backoff_s(n)` (exponential, with jitter so clients that fail
 come back together). It gives up with `ServiceOutage` only when the outage has lasted longer than
 the deadline (the recipe's `deadlines.service_outage_s`), with a one-line message naming the
 service and what the client kept. `Outage.seconds()` is the time spent in outages so far (the
-`lake/outage_s` and `tracking/outage_s` metrics).
+`lake/outage_s` and `tracking/outage_s` metrics). `GuardedClient` is the one guard both clients (the
+lake writer, the MLflow tracker) call their service through.
 """
 
 from __future__ import annotations
@@ -116,3 +117,34 @@ def retry(fn: Callable[[], T], outage: Outage, transient: Callable[[BaseExceptio
             continue
         outage.recovered()
         return result
+
+
+class GuardedClient:
+    """A client of one service (the lake's catalog and object store, the MLflow store) whose calls wait
+    out its outages: `_call(fn)` retries `fn` through an outage up to the deadline (`retry`). The
+    `ServiceOutage` that ends one is kept in `_gave_up`; the client's later calls and its background
+    thread raise it (a run stops with one line, not one per call).
+
+    A subclass sets `outage`, `_lock`, `_gave_up` (None) and `_transient`, and says what it kept (`_kept`)."""
+
+    outage: Outage
+    _lock: threading.Condition
+    _gave_up: ServiceOutage | None
+
+    @staticmethod
+    def _transient(error: BaseException) -> bool:
+        raise NotImplementedError
+
+    def _kept(self) -> str:
+        return "nothing"
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """`fn()` (a call to the service), retried through an outage up to the deadline."""
+        if self._gave_up is not None:
+            raise self._gave_up
+        try:
+            return retry(fn, self.outage, self._transient, kept=self._kept)
+        except ServiceOutage as error:
+            with self._lock:
+                self._gave_up = self._gave_up or error
+            raise

@@ -1,20 +1,18 @@
 """Where a run's outputs go: files in the run directory always; the Iceberg lake and MLflow when
-the recipe enables them. The loop calls one `RunRecorder` and never knows which are on."""
+the recipe enables them. The loop calls one `RunRecorder`, which hands every record to its sinks
+(`factory.recording.sinks`) and never knows which are on."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import shutil
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from factory.recording import lineage
 from factory.core.types import Batch
-
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # values in MLflow's UI: genai_development, custom_model_development
-LAKE_BATCH_ROWS = 8192  # a table this far behind commits at once, whatever its interval
+from factory.recording import lineage
+from factory.recording.sinks import RunFiles, Sink
 
 
 def checkpoint_version(checkpoint: Path) -> int:
@@ -55,7 +53,10 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 class RunRecorder:
-    """Fans each step's batch and metrics out to run-dir files, the lake and MLflow.
+    """Fans each step's batch and metrics out to its sinks: run-dir files, the lake and MLflow.
+
+    The run's lineage is computed here once (`origin`), from the recipe and the base policy the caller
+    names (`base_policy`, set once it exists), and handed to every sink.
 
     A run resumed from a checkpoint (`resume_from`) continues the same lake partition and MLflow
     run; first the lake is rewound to the checkpoint (rows of later steps, written by the attempt
@@ -63,55 +64,39 @@ class RunRecorder:
     training the checkpoint chain holds.
     """
 
-    def __init__(self, recipe, run_dir: Path, run_id: str | None = None, resume_from: Path | None = None):
+    def __init__(self, recipe, run_dir: Path, run_id: str | None = None, resume_from: Path | None = None,
+                 base_policy: Path | None = None):
         self.dir = run_dir
         self.run_id = run_id or run_dir.name
         self.recipe = recipe
+        self.base_policy = base_policy
         self._origin: dict[str, Any] | None = None  # lineage.origin, once the base policy exists
-        self.tracker = None
         start = checkpoint_version(resume_from) if resume_from is not None else 0
         self.start_step = start
         self.step = start  # the last step logged
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
-        self.metrics_file = open(run_dir / "metrics.jsonl", "a")
-        self.samples_file = open(run_dir / "samples.jsonl", "a")
-        self.staleness: Counter[int] = Counter()  # trained samples by staleness (counts: runs last days)
+        self.sinks: list[Sink] = [RunFiles(recipe, run_dir)]
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder")
         self._queued: list[concurrent.futures.Future] = []
-        self.lake = None
+        self.lake = None  # the lake's TrajectoryWriter, with the lake
+        self.tracker = None  # the MLflow RunTracker, with tracking
         self.rewound: dict[str, int] = {}
         if recipe.lake.enabled:
-            from factory.lake.catalog import open_catalog
-            from factory.lake.writer import TrajectoryWriter
+            from factory.lake.sink import LakeSink
 
-            # a run started (or relaunched) while the catalog's database or the object store restarts waits for it
-            catalog = open_catalog(recipe.lake.catalog or None, namespace=recipe.lake.namespace,
-                                   outage_deadline_s=recipe.deadlines.service_outage_s)
-            # commits by time, not by a step's worth of rows: one per table every few seconds
-            # an outage of the catalog or object store: rows wait (memory, then the run dir) while training goes on
-            self.lake = TrajectoryWriter(catalog, recipe.lake.namespace, run_id=self.run_id, batch_rows=LAKE_BATCH_ROWS,
-                                         flush_interval_s=recipe.lake.commit_interval_s,
-                                         outage_deadline_s=recipe.deadlines.service_outage_s,
-                                         spill_dir=run_dir / "lake-spill")
-            self.rewound = self.lake.rewind(start)  # {table: rows deleted}; empty for a new run
+            lake = LakeSink(recipe, run_dir, self.run_id, start)
+            self.sinks.append(lake)
+            self.lake, self.rewound = lake.writer, lake.rewound  # {table: rows deleted}; empty for a new run
         if recipe.tracking.enabled:
-            from factory.recording.tracking import RunTracker
+            from factory.recording.tracking import TrackingSink
 
-            self.tracker = RunTracker(recipe.tracking.uri, recipe.tracking.experiment,
-                                      outage_deadline_s=recipe.deadlines.service_outage_s,
-                                      spill_path=run_dir / "tracking-spill.jsonl")
-            resume = self.tracker.find_run(self.run_id)  # a relaunched run continues its MLflow run
-            tags = {"factory.resumed_from_step": str(start)} if resume_from is not None else {}
-            if lineage.context().get("mlflow_parent_run_id"):  # a sweep's child run
-                tags["mlflow.parentRunId"] = lineage.context()["mlflow_parent_run_id"]
-            self.tracker.start(self.run_id, params=recipe.dump(), tags=tags, resume_run_id=resume)
-            # MLflow 3's UI opens an experiment without this tag on its GenAI (traces) view; ours hold training runs
-            self.tracker.set_experiment_tag(EXPERIMENT_KIND_TAG, "custom_model_development")
-        if resume_from is not None and self.lake is not None:  # its row may not have been committed before the crash
+            tracking = TrackingSink(recipe, run_dir, self.run_id, resumed_from=start if resume_from is not None else None,
+                                    parent_run_id=lineage.context().get("mlflow_parent_run_id"))
+            self.sinks.append(tracking)
+            self.tracker = tracking.tracker
+        if resume_from is not None and any(s.rewinds for s in self.sinks):  # its row may not have been committed
             self.log_checkpoint(start, start, Path(resume_from))
 
-    # ---- sample rows: written by one background thread, in order, off the training loop ------------
+    # ---- samples: written by one background thread, in order, off the training loop ----------------
 
     def _submit(self, fn, *args) -> None:
         """Run `fn(*args)` on the recorder's thread after everything submitted before; an error it
@@ -123,117 +108,85 @@ class RunRecorder:
         self._queued.append(self._worker.submit(fn, *args))
 
     def drain(self) -> None:
-        """Wait until every submitted sample row is written (files) and handed to the lake writer."""
+        """Wait until every submitted sample is handed to the sinks (files written, lake rows queued)."""
         queued, self._queued = self._queued, []
         for f in queued:
             f.result()
 
+    def _samples(self, step: int, batch: Batch | None = None, discarded=(), failed=(), dropped=()) -> None:
+        for sink in self.sinks:
+            sink.samples(step, batch, discarded, failed, dropped)
+
     def log_batch(self, batch: Batch, step: int) -> None:
         """The samples a step trained on: samples.jsonl and the lake (on the recorder's thread)."""
-        self._submit(self._write_batch, batch, step)
-
-    def _write_batch(self, batch: Batch, step: int) -> None:
-        for s in batch.samples:
-            row = s.to_dict()
-            row.update(trained_step=step, trained_version=batch.version, staleness=batch.version - s.oldest_version)
-            self.samples_file.write(json.dumps(row) + "\n")
-            self.staleness[row["staleness"]] += 1
-        self.samples_file.flush()
-        if self.lake is not None:
-            from factory.lake.writer import sample_rows
-
-            self.lake.append("samples", sample_rows(batch, self.run_id, step))
+        self._submit(self._samples, step, batch)
 
     @property
     def keeps_all_samples(self) -> bool:
         """Whether untrained samples (discarded, failed, evaluation episodes) are recorded: with the lake."""
-        return self.lake is not None
+        return any(s.keeps_all_samples for s in self.sinks)
 
     def log_discarded(self, step: int, discarded, failed: list | None = None) -> None:
         """Samples that will never be trained, recorded at `step` with their fate: `discarded` as the
         buffer hands them out ((status, sample, reason)), `failed` as (group id, EpisodeFailure); or
         `discarded` is a callable returning the pair (e.g. fetching it from the buffer actor), called on
         the recorder's thread."""
-        if self.lake is not None:
+        if self.keeps_all_samples:
             self._submit(self._write_discarded, step, discarded, failed)
 
     def _write_discarded(self, step: int, discarded, failed: list | None) -> None:
         if failed is None:  # a callable that fetches (discarded, failed)
             discarded, failed = discarded()
-        if not (discarded or failed):
-            return
-        assert self.lake is not None  # log_discarded submits this only with a lake
-        from factory.lake.writer import failed_row, sample_row
-
-        rows = [sample_row(sample, self.run_id, status, step, info={"reason": reason})
-                for status, sample, reason in discarded]
-        rows += [failed_row(self.run_id, group_id, f.task_id, f.env, f.error, step) for group_id, f in failed]
-        self.lake.append("samples", rows)
+        if discarded or failed:
+            self._samples(step, discarded=discarded, failed=failed)
 
     def log_dropped(self, dropped: list[tuple[str, str]]) -> None:
         """Tasks left out at the run's start ((task id, why) each: `data.overlong: drop`), one `dropped`
         row each at step 0 (a resumed run's are known keys: not recorded twice)."""
-        if self.lake is not None and dropped:
-            from factory.lake.writer import dropped_row
-
-            env = self.recipe.environment.name
-            self._submit(self.lake.append, "samples", [dropped_row(self.run_id, task, env, why) for task, why in dropped])
+        if self.keeps_all_samples and dropped:
+            self._submit(self._samples, 0, None, (), (), dropped)
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         self.step = step
         self.origin()
-        if self.lake is not None:
-            metrics = {**metrics, **self.lake.metrics()}
-        if self.tracker is not None:  # tracking/outage_s: how long MLflow was unreachable so far
-            metrics = {**metrics, **self.tracker.metrics()}
-        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.metrics_file.flush()
-        if self.lake is not None:
-            self.lake.append("steps", [{"run_id": self.run_id, "step": step, "metrics": metrics}])
-        if self.tracker is not None:
-            self.tracker.log_metrics(step, metrics)
+        for sink in self.sinks:
+            metrics = {**metrics, **sink.metrics()}
+        for sink in self.sinks:
+            sink.step(step, metrics)
+
+    def _ids(self) -> dict[str, Any]:
+        return {k: v for sink in self.sinks for k, v in sink.ids().items()}
 
     def origin(self) -> dict[str, Any]:
         """The run's lineage (`factory.recording.lineage.origin`). First called once the base policy exists (the
-        first evaluation, step or checkpoint); then recorded: a `runs` row per attempt, MLflow tags."""
+        first evaluation, step or checkpoint); then handed to every sink: a `runs` row per attempt, MLflow tags."""
         if self._origin is None:
-            from factory.model.policy_cache import base_policy_path
-
-            self._origin = lineage.origin(self.recipe, base_policy_path(self.recipe))  # never builds one
-            mlflow_run_id = self.tracker.run_id if self.tracker is not None else None
-            if self.lake is not None:
-                o = self._origin
-                self.lake.append("runs", [{
-                    "run_id": self.run_id, "start_step": self.start_step, "recipe_hash": o["recipe_hash"],
-                    "recipe_yaml": o["recipe_yaml"], "git_sha": o["git_sha"], "git_dirty": str(o["git_dirty"]).lower(),
-                    "base_policy_fingerprint": o["base_policy_fingerprint"], "dagster_run_id": o.get("dagster_run_id"),
-                    "mlflow_run_id": mlflow_run_id, "parent": o.get("parent_run_id") or o.get("sweep_run_id"),
-                    "origin": {k: v for k, v in o.items() if k != "recipe_yaml"},
-                }])
-            if self.tracker is not None:
-                self.tracker.set_tags(lineage.mlflow_tags(self._origin))
+            self._origin = lineage.origin(self.recipe, self.base_policy)
+            ids = self._ids()
+            for sink in self.sinks:
+                sink.start(self._origin, ids)
         return self._origin
 
     def checkpoint_lineage(self, step: int, version: int) -> dict[str, Any]:
         """What a checkpoint (or an evaluation of one) at `step` came from; the lake's snapshots are
         read after `flush`, so they hold every sample trained up to it."""
-        snapshots = self.lake.snapshot_ids() if self.lake is not None else {}
+        snapshots = {k: v for sink in self.sinks for k, v in sink.snapshots().items()}
         return lineage.checkpoint_manifest(self.run_id, step, version, self.origin(), snapshots,
-                                           self.tracker.run_id if self.tracker is not None else None)
+                                           self._ids().get("mlflow_run_id"))
+
+    def _manifest(self, checkpoint: Path, step: int, version: int) -> dict[str, Any]:
+        """A checkpoint's manifest: the one in it (a resumed run keeps its first attempt's), else made now."""
+        if (checkpoint / "manifest.json").is_file():
+            return lineage.read_manifest(checkpoint)
+        return self.checkpoint_lineage(step, version)
 
     def log_checkpoint(self, step: int, version: int, path: Path) -> None:
         """Record a checkpoint: its manifest (`manifest.json` in it; a resumed run keeps the one its
         first attempt wrote) and a `checkpoints` row carrying the same."""
         path = Path(path)
-        if (path / "manifest.json").is_file():
-            manifest = lineage.read_manifest(path)
-        else:
-            manifest = self.checkpoint_lineage(step, version)
-            if path.is_dir():
-                lineage.write_manifest(path, manifest)
-        if self.lake is not None:
-            self.lake.append("checkpoints", [{"run_id": self.run_id, "step": step, "version": version,
-                                              "path": str(path), "lineage": manifest}])
+        manifest = self._manifest(path, step, version)
+        for sink in self.sinks:
+            sink.checkpoint(step, version, path, manifest)
 
     def flush(self, checkpoint_step: int | None = None) -> None:
         """Wait until the lake has committed every row recorded so far and MLflow holds every step logged
@@ -242,33 +195,18 @@ class RunRecorder:
         `checkpoint_step`, the lake writer then forgets the keys of the rows before it
         (`committed_through`): its memory holds a checkpoint interval's keys, not a run of days'."""
         self.drain()
-        if self.lake is not None:
-            self.lake.flush()
-            if checkpoint_step is not None:
-                self.lake.committed_through(self.run_id, checkpoint_step)
-        if self.tracker is not None:
-            self.tracker.flush()
+        for sink in self.sinks:
+            sink.flush(checkpoint_step)
 
     def log_evaluation(self, step: int, version: int, suite: str, result: dict[str, Any], episodes: list | None = None,
                        tag: str = "") -> None:
         """An evaluation's summary, and (lake) its episodes as `evaluation` samples with ids
         `eval-{step}-{tag}-…`, so two evaluations of one run never share an id."""
-        if self.lake is not None and episodes:
-            from factory.lake.writer import evaluation_rows
-
-            self.lake.append("samples", evaluation_rows(self.run_id, step, version, suite, tag, episodes))
-        if self.lake is not None:
-            checkpoint = self.dir / "checkpoints" / f"step-{step:06d}"
-            self.lake.append("evaluations", [{
-                "run_id": self.run_id, "step": step, "version": version, "suite": suite, "n": result["n"],
-                "mean": result["mean"], "stderr": result["stderr"], "by_family": json.dumps(result["by_family"]),
-                "tasks_digest": result.get("tasks_digest"),
-                "checkpoint": str(checkpoint) if checkpoint.is_dir() else None,  # step 0: the base policy
-                "lineage": lineage.read_manifest(checkpoint) if (checkpoint / "manifest.json").is_file()
-                else self.checkpoint_lineage(step, version),
-            }])
-        if self.tracker is not None:
-            self.tracker.log_metrics(step, {f"eval/{suite}_mean": result["mean"], f"eval/{suite}_stderr": result["stderr"]})
+        checkpoint = self.dir / "checkpoints" / f"step-{step:06d}"
+        manifest = self._manifest(checkpoint, step, version)
+        for sink in self.sinks:
+            sink.evaluation(step, version, suite, tag, result, episodes,
+                            checkpoint if checkpoint.is_dir() else None, manifest)  # step 0: the base policy
 
     def fail(self) -> None:
         """Close what is open after a crash: committed lake rows stay, MLflow marks the run FAILED."""
@@ -277,30 +215,15 @@ class RunRecorder:
         except Exception:  # noqa: BLE001  (the original error matters more)
             pass
         self._worker.shutdown()
-        self.metrics_file.close()
-        self.samples_file.close()
-        if self.lake is not None:
+        for sink in self.sinks:
             try:
-                self.lake.close()
-            except Exception:  # the original error matters more than a failed last flush
-                pass
-        if self.tracker is not None:
-            try:
-                self.tracker.end("FAILED")
-            except Exception:  # as above: a metric that failed to store must not hide the crash
+                sink.finish(None, "FAILED")
+            except Exception:  # the original error matters more than a failed last flush or metric
                 pass
 
     def finish(self, results: dict[str, Any], status: str = "FINISHED") -> None:
         self.drain()
         self._worker.shutdown()
         self.origin()
-        (self.dir / "results.json").write_text(json.dumps(results, indent=2))
-        self.metrics_file.close()
-        self.samples_file.close()
-        if self.lake is not None:
-            self.lake.close()
-        if self.tracker is not None:
-            self.tracker.log_plots(self.dir / "metrics.jsonl", self.staleness)
-            for name in ("recipe.yaml", "results.json"):
-                self.tracker.log_artifact(self.dir / name)
-            self.tracker.end(status)
+        for sink in self.sinks:
+            sink.finish(results, status)

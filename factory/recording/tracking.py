@@ -4,6 +4,7 @@ Store: the tracking URI given (from the recipe), else the production profile's t
 else $MLFLOW_TRACKING_URI, else a SQLite store at `<state>/mlflow/mlflow.db` with artifacts under
 `<state>/mlflow/artifacts`.
 A resumed RL run continues its MLflow run (`start(..., resume_run_id=...)`), so its curves stay one.
+`TrackingSink` is MLflow as one of a run's sinks (`factory.recording.sinks`).
 
 Outages of the store (the server, or its database behind it) do not stop training: each step's
 metrics and tags go into a queue that one background thread sends, retrying with backoff and jitter
@@ -28,8 +29,8 @@ import time
 from collections import Counter, deque
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
-from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is imported
 # MLflow's own HTTP retries (7, ~4 min per call) would hide deadlines.service_outage_s: RunTracker retries
@@ -49,13 +50,15 @@ from mlflow.utils.validation import (  # noqa: E402
     MAX_TAG_VAL_LENGTH,
 )
 
+from factory.core.types import Batch  # noqa: E402
+from factory.recording import lineage  # noqa: E402
+from factory.recording.sinks import Sink  # noqa: E402
 from factory.support import profile  # noqa: E402
 from factory.support.failures import ServiceOutage  # noqa: E402
-from factory.recording.outage import Outage, retry  # noqa: E402
+from factory.recording.outage import GuardedClient, Outage  # noqa: E402
 from factory.paths import state_dir  # noqa: E402
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 MAX_QUEUED = 256  # batches (a step's metrics is one) waiting in memory while the store is unreachable
 # the sender stores at most one merged batch per this many seconds (flush and end do not wait for it): a
 # step's batch cost the run's process ~40 ms of CPU on the SQLite store, most of it per call (a query of
@@ -63,6 +66,7 @@ MAX_QUEUED = 256  # batches (a step's metrics is one) waiting in memory while th
 SEND_INTERVAL_S = 2.0
 
 DEFAULT_EXPERIMENT = "factory"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # values in MLflow's UI: genai_development, custom_model_development
 RUN_TAG = "factory.run"  # the RL run's name, to find its MLflow run again on resume
 REWARD_METRIC = "rollout/reward_mean"
 THROUGHPUT_METRIC = "perf/samples_per_s"  # trained samples / seconds since training started: a running mean
@@ -124,8 +128,10 @@ def mlflow_key(name: str) -> str:
     return key[:MAX_ENTITY_KEY_LENGTH] or "_"
 
 
-class RunTracker:
+class RunTracker(GuardedClient):
     """One MLflow run for one RL run: `start` → `log_metrics`/`log_artifact`/`log_plots` → `end`."""
+
+    _transient = staticmethod(transient)
 
     def __init__(self, tracking_uri: str | None = None, experiment: str = DEFAULT_EXPERIMENT, *,
                  outage_deadline_s: float = 300.0, spill_path: Path | None = None,
@@ -160,17 +166,6 @@ class RunTracker:
         if self._client is None:
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
-
-    def _call(self, fn: Callable[[], T]) -> T:
-        """`fn()` (a call to the store), retried through an outage up to the deadline."""
-        if self._gave_up is not None:
-            raise self._gave_up
-        try:
-            return retry(fn, self.outage, transient, kept=self._kept)
-        except ServiceOutage as error:
-            with self._lock:
-                self._gave_up = self._gave_up or error
-            raise
 
     def _experiment_id(self) -> str:
         found = self._call(partial(self.client.get_experiment_by_name, self.experiment))
@@ -416,6 +411,58 @@ class RunTracker:
         where = f"{spilled} unsent batches in {self.spill_path}" if spilled else "nothing on disk"
         return (f"every step's metrics in the run dir's metrics.jsonl; {where}"
                 f"{f', {memory} in memory' if memory else ''}")
+
+
+class TrackingSink(Sink):
+    """MLflow as a run's sink: the recipe as params, each step's metrics, the run's lineage as tags,
+    evaluation summaries, and at the end plots and the run's files. A relaunched run continues its
+    MLflow run; a sweep's child run names its parent."""
+
+    def __init__(self, recipe, run_dir: Path, run_id: str, resumed_from: int | None = None,
+                 parent_run_id: str | None = None) -> None:
+        self.dir = run_dir
+        self.staleness: Counter[int] = Counter()  # trained samples by staleness (counts: runs last days)
+        self.tracker = RunTracker(recipe.tracking.uri, recipe.tracking.experiment,
+                                  outage_deadline_s=recipe.deadlines.service_outage_s,
+                                  spill_path=run_dir / "tracking-spill.jsonl")
+        resume = self.tracker.find_run(run_id)  # a relaunched run continues its MLflow run
+        tags = {"factory.resumed_from_step": str(resumed_from)} if resumed_from is not None else {}
+        if parent_run_id:  # a sweep's child run
+            tags["mlflow.parentRunId"] = parent_run_id
+        self.tracker.start(run_id, params=recipe.dump(), tags=tags, resume_run_id=resume)
+        # MLflow 3's UI opens an experiment without this tag on its GenAI (traces) view; ours hold training runs
+        self.tracker.set_experiment_tag(EXPERIMENT_KIND_TAG, "custom_model_development")
+
+    def ids(self) -> dict[str, Any]:
+        return {"mlflow_run_id": self.tracker.run_id}
+
+    def metrics(self) -> dict[str, float]:  # tracking/outage_s: how long MLflow was unreachable so far
+        return self.tracker.metrics()
+
+    def start(self, origin: dict[str, Any], ids: dict[str, Any]) -> None:
+        self.tracker.set_tags(lineage.mlflow_tags(origin))
+
+    def samples(self, step: int, batch: Batch | None = None, discarded: Sequence = (), failed: Sequence = (),
+                dropped: Sequence = ()) -> None:
+        if batch is not None:
+            self.staleness.update(batch.version - s.oldest_version for s in batch.samples)
+
+    def step(self, step: int, metrics: dict[str, Any]) -> None:
+        self.tracker.log_metrics(step, metrics)
+
+    def evaluation(self, step: int, version: int, suite: str, tag: str, result: dict[str, Any], episodes: list | None,
+                   checkpoint: Path | None, manifest: dict[str, Any]) -> None:
+        self.tracker.log_metrics(step, {f"eval/{suite}_mean": result["mean"], f"eval/{suite}_stderr": result["stderr"]})
+
+    def flush(self, checkpoint_step: int | None = None) -> None:
+        self.tracker.flush()
+
+    def finish(self, results: dict[str, Any] | None, status: str) -> None:
+        if results is not None:
+            self.tracker.log_plots(self.dir / "metrics.jsonl", self.staleness)
+            for name in ("recipe.yaml", "results.json"):
+                self.tracker.log_artifact(self.dir / name)
+        self.tracker.end(status)
 
 
 def read_series(metrics_jsonl: Path, names: Iterable[str]) -> dict[str, list[tuple[int, float]]]:
