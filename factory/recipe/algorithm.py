@@ -63,15 +63,18 @@ class AlgorithmSection(Section):
                            **registered(registries.ADVANTAGES))
     loss: str = Field("ppo_clip", description="a registered policy loss (factory/algo/losses.py)",
                       **registered(registries.POLICY_LOSSES))
-    clip_low: float = Field(0.2, ge=0)
+    clip_low: float = Field(0.2, ge=0, description="lower ratio bound is 1 - clip_low")
     clip_high: float = Field(0.28, ge=0, description="clip-higher: upper ratio bound is 1 + clip_high")
     aggregation: str = Field("token_mean", description="how per-token losses become one number (factory/algo/losses.py)",
                              **registered(registries.AGGREGATIONS))
     kl_coef: float = Field(0.0, ge=0, description="KL to a frozen reference; 0 disables it")
     kl_estimator: str = Field("k3", description="a registered per-token KL estimator (factory/algo/kl.py)",
                               **registered(registries.KL_ESTIMATORS))
-    filter_zero_variance: bool = True
-    distill: DistillSection = Field(default_factory=DistillSection)
+    filter_zero_variance: bool = Field(True, description="dynamic sampling: a group whose rewards are all equal "
+                                       "(advantage 0, no gradient) is not trained and another starts in its "
+                                       "place")
+    distill: DistillSection = Field(default_factory=DistillSection, description="on-policy distillation from a "
+                                    "teacher (off while distill.teacher is unset)")
     proximal: Literal["behaviour", "current", "loglinear"] = Field(
         "behaviour", validate_default=True,
         description="the policy the loss's ratio is centred on: behaviour = the sampler's logprobs (plain PPO); "

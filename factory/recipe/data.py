@@ -13,7 +13,8 @@ from factory.recipe.base import Section
 class TaskFamily(Section):
     name: str = Field(description="a reasoning-gym dataset name, e.g. basic_arithmetic, or code_tasks "
                       "(programming problems with unit tests, factory/data/code_tasks.py)")
-    weight: float = Field(1.0, gt=0)
+    weight: float = Field(1.0, gt=0, description="the family's share of train_size and heldout_size, relative "
+                          "to the other families' weights")
     config: dict[str, Any] = Field(default_factory=dict, description="the dataset's own options")
 
 
@@ -71,7 +72,8 @@ class HeldoutSpec(Section):
     where: str | None = Field(None, description="iceberg: a row filter of its own")
     size: int | None = Field(None, gt=0, description="rows held out by a seeded split")
     fraction: float | None = Field(None, gt=0, lt=1, description="share of rows held out by a seeded split")
-    seed: int = 0
+    seed: int = Field(0, description="seeded split: which rows are held out (those whose hash of seed and id "
+                      "is smallest)")
 
     @model_validator(mode="after")
     def _one_way(self) -> HeldoutSpec:
@@ -91,7 +93,9 @@ class DataSource(Section):
     """Tasks from rows of a file or table (factory/data/sources.py)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="names its tasks (their family and id prefix)")
-    kind: Literal["jsonl", "parquet", "hf_disk", "iceberg"]
+    kind: Literal["jsonl", "parquet", "hf_disk", "iceberg"] = Field(
+        description="the reader: jsonl (a JSON object per line), parquet, hf_disk (a datasets save_to_disk "
+        "directory) or iceberg (a lake table)")
     path: str | None = Field(None, description="jsonl, parquet: the file; hf_disk: the save_to_disk directory "
                              "(relative: to the current directory, else to the repository)")
     split: str | None = Field(None, description="hf_disk: the split of a DatasetDict directory")
@@ -99,13 +103,13 @@ class DataSource(Section):
     where: str | None = Field(None, description="iceberg: a row filter, e.g. \"split = 'train'\"")
     catalog: dict[str, Any] = Field(default_factory=dict, description="iceberg: catalog properties as "
                                     "lake.catalog (empty: this factory's lake)")
-    prompt: PromptSpec
-    answer: AnswerSpec = Field(default_factory=AnswerSpec)
+    prompt: PromptSpec = Field(description="how each row becomes the prompt")
+    answer: AnswerSpec = Field(default_factory=AnswerSpec, description="where each row's reference answer is")
     id: str | None = Field(None, description="the column holding each row's unique id; unset: its position")
     verifier: VerifierSpec | None = Field(None, description="how replies are scored (unset, and no verifier_field: exact)")
     verifier_field: str | None = Field(None, description="the column naming each row's verifier (a name or "
                                        "{name, extract, config})")
-    heldout: HeldoutSpec
+    heldout: HeldoutSpec = Field(description="where the source's held-out split comes from")
 
     @model_validator(mode="after")
     def _consistent(self) -> DataSource:
@@ -148,7 +152,8 @@ class DataSection(Section):
     train_size: int = Field(8000, gt=0, le=MAX_TRAIN_SIZE,
                             description="the families' unique training questions (fewer if a family is small)")
     heldout_size: int = Field(1000, gt=0, le=MAX_HELDOUT_SIZE, description="the families' held-out questions")
-    seed: int = 0
+    seed: int = Field(0, description="seeds the families' question generation (each family and split derives "
+                      "its own seed from it)")
     overlong: Literal["error", "drop", "truncate"] = Field(
         "error", description="prompts longer than rollout.max_model_len - rollout.max_new_tokens tokens: error "
         "(the recipe check and the run refuse them), drop (those tasks leave the run, recorded in the lake as "

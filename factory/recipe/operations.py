@@ -14,9 +14,9 @@ class EvalSection(Section):
                          "the held-out split (all of it when data.heldout_size is not larger)")
     seed: int = Field(0, description="seeds which held-out tasks a subset holds: the same before and after "
                       "training and in every run of the recipe")
-    temperature: float = Field(1.0, gt=0)
-    before: bool = True
-    after: bool = True
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of evaluation episodes")
+    before: bool = Field(True, description="evaluate the policy the run starts from, before its first step")
+    after: bool = Field(True, description="evaluate the policy after the last step")
 
 
 class FailuresSection(Section):
@@ -60,18 +60,22 @@ class DeadlinesSection(Section):
 
 
 class LakeSection(Section):
-    enabled: bool = False
+    enabled: bool = Field(False, description="record the run's samples, steps, evaluations and checkpoints in "
+                          "Iceberg tables")
     catalog: dict[str, Any] = Field(default_factory=dict, description="PyIceberg catalog properties")
-    namespace: str = "factory"
+    namespace: str = Field("factory", description="the catalog namespace holding the tables (created with "
+                           "them when missing)")
     commit_interval_s: float = Field(
         5.0, gt=0, description="seconds rows may wait before their table is committed (each Iceberg "
         "commit costs the run ~0.1-0.2 s of CPU; a checkpoint or the run's end commits at once)")
 
 
 class TrackingSection(Section):
-    enabled: bool = False
-    uri: str | None = None
-    experiment: str = "factory"
+    enabled: bool = Field(False, description="log the run's metrics, plots and artifacts to an MLflow run")
+    uri: str | None = Field(None, description="the MLflow tracking URI; unset: the profile's server, else "
+                            "$MLFLOW_TRACKING_URI, else a SQLite store under the state dir")
+    experiment: str = Field("factory", description="the MLflow experiment the run is logged under (created "
+                            "when missing)")
 
 
 Resources = dict[str, float]

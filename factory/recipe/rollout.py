@@ -14,9 +14,10 @@ from factory.support.threads import Threads
 class LatencySection(Section):
     """Synthetic environment latency: most episodes fast, a fraction much slower (benchmarks)."""
 
-    fast_s: float = Field(0.0, ge=0)
-    slow_s: float = Field(0.0, ge=0)
-    slow_fraction: float = Field(0.0, ge=0, le=1)
+    fast_s: float = Field(0.0, ge=0, description="seconds a fast episode waits (simulated think or tool time)")
+    slow_s: float = Field(0.0, ge=0, description="seconds a slow episode waits")
+    slow_fraction: float = Field(0.0, ge=0, le=1, description="share of episodes (per_task: of tasks) that are "
+                                 "slow; 0: none")
     per_task: bool = Field(False, description="slowness is a property of the task (a hash of its id), not a "
                            "coin flip per episode — as when some prompts need long tool use")
 
@@ -29,18 +30,22 @@ class SandboxSection(Section):
     image: str = Field("python", description="a sandboxes/<name>/spec.yaml image")
     concurrency: int = Field(8, gt=0, description="programs running at once per env worker")
     wall_s: float = Field(10.0, gt=0, description="wall-time limit per program")
-    memory_mb: int = Field(256, gt=0)
+    memory_mb: int = Field(256, gt=0, description="memory limit per program in MiB: its processes and its /tmp, "
+                           "no swap")
 
 
 class EnvironmentSection(Section):
     name: str = Field("single_turn", description="a registered environment (factory/envs/), or package.module:attr "
                       "of your own", examples=["single_turn", "tool_agent", "my_package.envs:MyEnvironment"])
-    system_prompt: str | None = None
+    system_prompt: str | None = Field(None, description="the system message before each task (also the warm "
+                                      "start's); unset: none, or the environment's own (tool_agent)")
     workers: int = Field(1, gt=0, description="env worker actors, each hosting a gateway")
-    latency: LatencySection = Field(default_factory=LatencySection)
+    latency: LatencySection = Field(default_factory=LatencySection, description="synthetic latency of "
+                                    "single_turn episodes (benchmarks); all 0: none")
     max_turns: int = Field(3, gt=0, description="tool_agent: model calls per episode; a tool call on the "
                            "last one ends the episode unanswered")
-    sandbox: SandboxSection = Field(default_factory=SandboxSection)
+    sandbox: SandboxSection = Field(default_factory=SandboxSection, description="where tool calls and code "
+                                    "tasks' unit tests run")
     direct: bool = Field(True, description="play environments whose episode is one tool-less call (those with "
                          "score_reply, e.g. single_turn) in-process: no OpenAI client or HTTP hop, the prompt "
                          "rendered once per task, the same tokens recorded; false: every call goes through "
@@ -71,19 +76,23 @@ class RolloutSection(Section):
         "auto", description="weight_sync=broadcast: the collective; auto = nccl when the trainer is on cuda, "
         "else gloo (nccl is untested here: no GPU)")
     group_size: int = Field(8, gt=1, description="G completions per prompt")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of training rollouts (the trainer's "
+                               "logprobs divide the logits by it too)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens holding this "
+                         "much probability; 1 disables it")
     top_k: int = Field(-1, description="-1 disables top-k")
-    max_new_tokens: int = Field(8, gt=0)
+    max_new_tokens: int = Field(8, gt=0, description="most tokens generated per model call")
     min_new_tokens: int = Field(0, ge=0, description="end-of-turn is suppressed before this many tokens "
                                 "(benchmarks and tests use it to force long generations)")
     max_model_len: int = Field(256, gt=16, description="prompt + completion tokens an engine accepts")
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="the dtype engines serve the weights "
+                                                 "in (and weight syncs send them in)")
     weight_sync: Literal["broadcast", "disk", "lora"] = Field(
         "broadcast", description="broadcast: gloo buckets into the vLLM worker; disk: reload a saved "
         "checkpoint; lora: load the trained adapter in place (needs train.lora.enabled)")
-    bucket_mb: int = Field(16, gt=0)
-    kv_cache_gb: int = Field(2, gt=0)
+    bucket_mb: int = Field(16, gt=0, description="weight_sync=broadcast: MiB of weights per bucket sent")
+    kv_cache_gb: int = Field(2, gt=0, description="GiB of KV cache per engine: vLLM on cpu and SGLang; vLLM on "
+                             "cuda sizes its own")
     cpus: Threads = Field("auto", description="CPU threads for each engine; auto: this node's share by the "
                           "measured rule in factory/support/threads.py")
     coalesce_ms: float = Field(5.0, ge=0, description="vLLM: prompts arriving this close share one HTTP request")
@@ -99,8 +108,10 @@ class RolloutSection(Section):
         "wait", description="at a weight update: wait = drain in-flight requests first; abort_resume = abort "
         "them and continue prompt + tokens so far under the new weights; inflight = pause with the KV cache "
         "kept, swap weights, resume (vllm only for the last two)")
-    startup_timeout_s: float = Field(300, gt=0)
-    health: HealthSection = Field(default_factory=HealthSection)
+    startup_timeout_s: float = Field(300, gt=0, description="seconds a started engine may take to become "
+                                     "ready; longer fails that start (it is tried again once)")
+    health: HealthSection = Field(default_factory=HealthSection, description="how started engines are probed, "
+                                  "and when one is restarted")
     max_engine_restarts: int = Field(
         3, ge=0, description="engines restarted within one run (dead or hung; each is given the current "
         "weights, its in-flight groups re-queued); one more failure stops the run")

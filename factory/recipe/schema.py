@@ -20,20 +20,32 @@ from factory.recipe.train import AsyncSection, ModelSection, TrainSection
 
 
 class Recipe(Section):
-    name: str = "default"
-    model: ModelSection = Field(default_factory=ModelSection)
-    data: DataSection = Field(default_factory=DataSection)
-    environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
-    rollout: RolloutSection = Field(default_factory=RolloutSection)
-    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
-    async_: AsyncSection = Field(default_factory=AsyncSection, alias="async")
-    train: TrainSection = Field(default_factory=TrainSection)
-    eval: EvalSection = Field(default_factory=EvalSection)
-    failures: FailuresSection = Field(default_factory=FailuresSection)
-    deadlines: DeadlinesSection = Field(default_factory=DeadlinesSection)
-    lake: LakeSection = Field(default_factory=LakeSection)
-    tracking: TrackingSection = Field(default_factory=TrackingSection)
-    placement: PlacementSection = Field(default_factory=PlacementSection)
+    name: str = Field("default", description="names the run: its run dir is <name>-<time> under the runs dir; a "
+                      "sweep names each point <name>-<field>=<value>-…")
+    model: ModelSection = Field(default_factory=ModelSection, description="the policy: a Hugging Face model dir, "
+                                "or a tiny model built and warm-started on the run's tasks")
+    data: DataSection = Field(default_factory=DataSection, description="the tasks: reasoning-gym families, files "
+                              "or lake tables, and their held-out splits")
+    environment: EnvironmentSection = Field(default_factory=EnvironmentSection, description="how an episode is "
+                                            "played: its prompt, its turns, the sandbox for its code")
+    rollout: RolloutSection = Field(default_factory=RolloutSection, description="the engines that generate: "
+                                    "sampling, context, weight sync, health and restarts")
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection, description="advantages, the policy "
+                                        "loss, off-policy corrections, KL, distillation")
+    async_: AsyncSection = Field(default_factory=AsyncSection, alias="async", description="the staleness budget "
+                                 "η and which groups start when")
+    train: TrainSection = Field(default_factory=TrainSection, description="the trainer: optimizer, "
+                                "checkpoints, device, precision, ranks")
+    eval: EvalSection = Field(default_factory=EvalSection, description="held-out evaluations before and after "
+                              "training")
+    failures: FailuresSection = Field(default_factory=FailuresSection, description="when failed groups fail the "
+                                      "run, and how often dead workers are restarted")
+    deadlines: DeadlinesSection = Field(default_factory=DeadlinesSection, description="how long each wait of the "
+                                        "run may take before it fails the run")
+    lake: LakeSection = Field(default_factory=LakeSection, description="recording the run in the Iceberg lake")
+    tracking: TrackingSection = Field(default_factory=TrackingSection, description="logging the run to MLflow")
+    placement: PlacementSection = Field(default_factory=PlacementSection, description="the Ray resources each "
+                                        "role's actors ask for on a cluster")
     sweep: dict[str, list[Any]] = Field(
         default_factory=dict, description="dotted field path -> values; the grid is their product"
     )

@@ -17,22 +17,26 @@ class ModelSection(Section):
     architecture: Literal["llama", "qwen2"] = Field(
         "llama", description="the tiny model built when path is unset: llama (its own role-tag chat template, "
         "untied embeddings) or qwen2 (q/k/v biases, grouped-query attention, tied embeddings, ChatML)")
-    hidden_size: int = Field(256, gt=0)
-    num_layers: int = Field(4, gt=0)
-    num_heads: int = Field(4, gt=0)
+    hidden_size: int = Field(256, gt=0, description="tiny model: the width of its hidden states (a multiple of "
+                             "num_heads)")
+    num_layers: int = Field(4, gt=0, description="tiny model: decoder blocks")
+    num_heads: int = Field(4, gt=0, description="tiny model: attention (query) heads")
     num_kv_heads: int | None = Field(None, gt=0, description="key/value heads (grouped-query attention when "
                                      "fewer than num_heads, which they must divide); unset: num_heads")
-    intermediate_size: int = Field(704, gt=0)
-    max_position: int = Field(256, gt=16)
+    intermediate_size: int = Field(704, gt=0, description="tiny model: the hidden width of each block's MLP")
+    max_position: int = Field(256, gt=16, description="tiny model: its context in tokens (rollout.max_model_len "
+                              "may not exceed it)")
     bpe_vocab_size: int = Field(300, ge=260, description="byte-level BPE vocab incl. 256 bytes")
     sft_steps: int = Field(2400, ge=0, description="supervised warm-start steps (at most, with sft_stop_loss)")
     sft_stop_loss: float | None = Field(
         None, gt=0, description="end the warm start once the mean loss of its last 50 updates is at or below "
         "this: a policy just off the loss plateau, with room left for RL, whatever the seed; unset: all sft_steps")
-    sft_batch_size: int = Field(32, gt=0)
-    sft_lr: float = Field(1e-3, gt=0)
+    sft_batch_size: int = Field(32, gt=0, description="warm-start examples per update")
+    sft_lr: float = Field(1e-3, gt=0, description="the warm start's peak AdamW learning rate (linear warm-up over "
+                          "the first 5% of sft_steps, then cosine decay to 10% of it)")
     sft_examples: int = Field(20000, gt=0, description="training tasks used for the warm start")
-    seed: int = 0
+    seed: int = Field(0, description="tiny model: seeds its initial weights and the warm start's choice of "
+                      "examples")
 
     @model_validator(mode="after")
     def _heads(self) -> ModelSection:
@@ -45,7 +49,8 @@ class ModelSection(Section):
 
 class AsyncSection(Section):
     max_staleness: int = Field(1, ge=0, description="η: 0 synchronous, 1 one-step off-policy, k async")
-    max_inflight_groups: int = Field(32, gt=0)
+    max_inflight_groups: int = Field(32, gt=0, description="most groups generating at once, whatever the "
+                                     "staleness budget allows")
     overprovision: int = Field(0, ge=0, description="groups started beyond the staleness budget, so a step takes "
                                "the first B to finish instead of waiting for the slowest (late ones may go stale)")
     expect_filtering: bool = Field(False, description="admission counts a running group as the share of recent "
@@ -61,21 +66,27 @@ class AsyncSection(Section):
 class LoraSection(Section):
     """Train a LoRA adapter instead of the full weights (PEFT); engines then receive only the adapter."""
 
-    enabled: bool = False
-    rank: int = Field(8, gt=0)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    enabled: bool = Field(False, description="train an adapter (needs rollout.weight_sync=lora); false: the "
+                          "full weights")
+    rank: int = Field(8, gt=0, description="r, the inner dimension of each adapter's A and B matrices (also the "
+                      "engines' largest LoRA rank)")
+    alpha: float = Field(16.0, gt=0, description="scales the adapter's update B·A by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on each adapter's input while training; 0: none")
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="names of the linear layers that get an adapter (PEFT matches a module whose name ends with "
+        "one); the default: every attention and MLP projection of llama and qwen2")
 
 
 class TrainSection(Section):
-    steps: int = Field(400, gt=0)
+    steps: int = Field(400, gt=0, description="optimizer steps of the run, each on groups_per_step groups")
     groups_per_step: int = Field(8, gt=0, description="B prompts per optimizer step")
-    lr: float = Field(5e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    lr: float = Field(5e-5, gt=0, description="AdamW's learning rate, constant over the run")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay; 0: none")
+    grad_clip: float = Field(1.0, gt=0, description="the gradients' global L2 norm is clipped to this before "
+                             "each step")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's (β1, β2): decay rates of its first "
+                                       "and second moment estimates")
     checkpoint_every: int = Field(100, ge=0, description="0 saves only the final checkpoint")
     checkpoint_every_s: float = Field(
         1800, ge=0, description="also checkpoint when this many seconds have passed since the last one, so a "
@@ -89,7 +100,8 @@ class TrainSection(Section):
         "checkpoint (exact, as a resumed run); one more death stops the run")
     max_restarts: int = Field(3, ge=0, description="times a crashed run is relaunched from its last checkpoint "
                               "(Dagster's rl_run_recovery sensor)")
-    lora: LoraSection = Field(default_factory=LoraSection)
+    lora: LoraSection = Field(default_factory=LoraSection, description="a LoRA adapter trained in place of "
+                              "the full weights (off unless lora.enabled)")
     threads: Threads = Field("auto", description="the trainer's CPU threads; auto: this node's share by the "
                              "measured rule in factory/support/threads.py")
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -112,4 +124,5 @@ class TrainSection(Section):
                           "and AdamW's state made (zero moments at step 0); the run trains bitwise as without it")
     ranks: int = Field(1, ge=1, description="trainer ranks sharding the model with FSDP2 (gloo on cpu, nccl "
                        "on cuda), each a Ray actor placed by placement.trainer")
-    seed: int = 0
+    seed: int = Field(0, description="seeds the trainer's torch generator (adapter initialisation, dropout) and "
+                      "the order in which training tasks are drawn")
