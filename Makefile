@@ -2,7 +2,7 @@
 STATE ?= $(CURDIR)/.state
 PY := $(STATE)/venv/bin/python
 
-.PHONY: setup sglang-venv test-policies main test unit lint bench cluster-demo production-up production-down
+.PHONY: setup sglang-venv test-policies main test unit lint bench docs docs-serve cluster-demo production-up production-down
 
 setup:
 	bash infra/setup.sh
@@ -57,6 +57,17 @@ lint: setup
 
 bench: setup
 	$(PY) bench/async_speedup.py
+
+# The documentation site: its tools in a venv of their own (infra/docs-venv.sh), the generated pages
+# (docs/gen.py, in the main venv: it reads the recipe model), then a --strict build into the state dir
+DOCS_VENV := $(STATE)/docs-venv
+docs: setup
+	DOCS_VENV="$(DOCS_VENV)" bash infra/docs-venv.sh
+	$(PY) docs/gen.py
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --site-dir "$(STATE)/site"
+
+docs-serve: docs
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs serve
 
 # A short run on a two-node Ray cluster built on this machine (network namespaces + veth; root):
 # trainer on node 1, rollout engine and env worker on node 2, which cannot see node 1's files.

@@ -1,4 +1,5 @@
-"""Synchronous vs asynchronous training on a heavy-tailed environment, side by side.
+"""Synchronous against asynchronous training on a heavy-tailed environment, side by side: the same
+recipe at each η and partial-rollout mode, against one shared vLLM server, timed to train the same samples.
 
 The same small recipe runs at each η (0 synchronous, 1 one-step off-policy, k asynchronous) and,
 for η > 0, each partial-rollout mode (wait, abort_resume, inflight), against one shared vLLM

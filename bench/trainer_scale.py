@@ -1,6 +1,6 @@
-"""Trainer scale: peak memory and seconds per step of the trainer's step against the step before the
-lean-step work and a plain reference step, side by side in one run (each variant in a process of its
-own, so peak memory is that variant's alone).
+"""Trainer scale: peak memory and seconds per step of the trainer's step against an older commit's step
+and a plain reference step, side by side in one run (each variant in a process of its own, so peak
+memory is that variant's alone).
 
 CPU (the default; what runs here): a model with vocabulary 151,936 and a small body (the logits, not
 the body, are what a large vocabulary makes expensive).
