@@ -131,7 +131,7 @@ class VLLMServer(ServerProcess):
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Ready, and on CPU warmed up: one prompt of WARM_UP_TOKENS tokens, sampled (temperature 1,
         logprobs) for a few tokens. Why:
-        - on an AMX machine (2026-11-27) a CPU server whose first request was a prompt of a few tokens
+        - on an AMX machine a CPU server whose first request was a prompt of a few tokens
           died in vLLM's CPU attention kernel (SIGILL in `cpu_attention_with_kv_cache`, the engine core
           gone, every request after it answered 500); after one longer prompt, short ones are served.
           Our runs never met it, but a server anyone attaches to (`factory serve`) may get any prompt;

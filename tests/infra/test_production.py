@@ -340,7 +340,7 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
     assert not alive(daemon)
     assert bob.wait_for_run(killed["runId"], 300)["status"] == "FAILURE"
 
-    # the production services fail under the relaunched attempt's training, once each (issue 24): Postgres
+    # the production services fail under the relaunched attempt's training, once each: Postgres
     # (the lake's catalog, MLflow's and Dagster's storage), then the S3 server (the lake's files). The run
     # trains on through each outage: a step is logged after it (read from the run dir, which needs neither
     # service), unless the run got to its end meanwhile. (Injected here, not into the first attempt: the
