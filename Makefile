@@ -37,10 +37,8 @@ test-policies: setup
 unit: setup
 	$(PY) -m pytest -q -m "not integration" tests
 
-# Lint: ruff on the library, the code location, infra, the benchmarks and the tests, then mypy on the library
-# and the code location (both configured in pyproject.toml). mypy's cache lives in the user's cache dir, as
-# pip's does, so a fresh clone on a machine that ran it before checks in seconds instead of ~65 s (the
-# cache is keyed by each file's content: a clone's new paths and mtimes only cost a hash each)
+# Lint: ruff, then mypy on the library and the code location (both configured in pyproject.toml).
+# mypy's cache lives in the user's cache dir, keyed by content, so a fresh clone reuses it.
 MYPY_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/factory/mypy
 lint: setup
 	$(PY) -m ruff check factory assets infra bench tests
