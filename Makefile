@@ -13,22 +13,13 @@ setup:
 main: setup
 	$(PY) -m assets materialize recipes/default.yaml
 
-# SGLang's CPU test set-up: a venv of its own (another torch pin than vLLM's); ~40 s once (uv), then instant
+# SGLang's CPU test set-up: a venv of its own (another torch pin than vLLM's); built once, then reused
 sglang-venv:
 	bash infra/sglang-venv.sh
 
-# The whole suite in one pytest session, the production profile's end-to-end test (tests/infra: Postgres,
-# S3, MLflow server, Ray head, Dagster webserver + daemon; ~4 min) included. The slowest tests and the
-# CPU-heaviest are printed last.
-#
-# The suite's policies (the small test recipe's, the Qwen2-style one's, the GSM8K test's) are built into
-# the state dir once, where every test session links them (otherwise each session builds them again,
-# ~90 s), or copied there from the machine's cache of them (tests/policies.py: a fresh clone on a machine
-# that built the same ones before takes them in ~5 s). `make test` builds them in the background at the lowest priority, on what the suite leaves
-# idle (34% of 2 cores over a CI run); a test that needs one before it is built waits for it. Lowest
-# priority means its own session with autogroup nice 19: with the kernel's autogroups, a plain `nice`
-# only yields to processes of its own session, and the suite's servers (vLLM, Ray, the production
-# stack) run in sessions of their own.
+# The whole suite in one pytest session, the production profile's end-to-end test included.
+# The suite's policies are built once in the background at autogroup nice 19 (a plain `nice` yields only
+# within its own session); a test that needs one first waits for it (tests/policies.py).
 test: setup sglang-venv
 	@log="$(STATE)/test-policies.log"; \
 	echo "make test: the suite's policies are built in the background, where missing (log: $$log)"; \
@@ -46,10 +37,8 @@ test-policies: setup
 unit: setup
 	$(PY) -m pytest -q -m "not integration" tests
 
-# Lint: ruff on the library, the code location, infra, the benchmarks and the tests, then mypy on the library
-# and the code location (both configured in pyproject.toml). mypy's cache lives in the user's cache dir, as
-# pip's does, so a fresh clone on a machine that ran it before checks in seconds instead of ~65 s (the
-# cache is keyed by each file's content: a clone's new paths and mtimes only cost a hash each)
+# Lint: ruff, then mypy on the library and the code location (both configured in pyproject.toml).
+# mypy's cache lives in the user's cache dir, keyed by content, so a fresh clone reuses it.
 MYPY_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/factory/mypy
 lint: setup
 	$(PY) -m ruff check factory assets infra bench tests

@@ -50,5 +50,5 @@ if ! docker info >/dev/null 2>&1; then
 fi
 echo "sandbox-setup: docker engine $(docker info --format '{{.ServerVersion}}') ready (pid $(cat /var/run/docker.pid 2>/dev/null || echo '?'))"
 
-# Images: rootfs (debootstrap, ~40 s the first time) + docker import; both skipped while current.
+# Images: rootfs (debootstrap) + docker import; both skipped while current.
 "$PY" sandboxes/build.py

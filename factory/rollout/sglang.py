@@ -372,11 +372,8 @@ class SGLangEngine(ServerClient):
             # finish "abort") and returns once none is left in its scheduler; _flush continues them
             await self._post("/pause_generation", {"mode": "abort"})
         else:
-            # Drained at our gate, SGLang holds no request of ours, so its scheduler is not paused: an
-            # `in_place` pause sent right behind the drain (η ≥ 1 drains while generating) froze requests
-            # it had answered but not yet retired from its running batch (it does that at its next
-            # iteration), so /flush_cache was refused ("#running-req: 8"), the update failed before
-            # /continue_generation and the paused server hung until its watchdog killed it (issue 24)
+            # drained at our gate, SGLang holds no request of ours: a pause here could freeze answered but
+            # unretired requests, and /flush_cache would be refused (test_sglang_answers_requests_before_it_retires_them)
             await self.gate.close_and_drain()
 
     async def load_from_disk(self, path: str) -> None:

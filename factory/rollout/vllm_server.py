@@ -29,12 +29,8 @@ def server_env(device: str, *, uni: bool, kv_cache_gb: int = 2, threads: int = 1
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the trainer, don't pin
             # the model-class inspection in the server's process, not a fresh one (vllm_site/)
             "FACTORY_VLLM_INSPECT_IN_PROCESS": "1",
-            # eager mode compiles nothing of the model, but vLLM wraps a few sampler helpers (the
-            # logprob rank count, top-k/top-p) in torch.compile: on CPU their first call traced and
-            # compiled them, ~2 s of every server's first sampled request (a g++ run on a cold
-            # inductor cache). Eager, that one-off is gone and later requests are no slower
-            # (bench/first_steps.py: 64 × 8 sampled tokens, one-off 2.36 s compiled vs 0.08 s eager;
-            # later rounds 0.42 s compiled vs 0.32 / 0.45 s on two eager servers)
+            # no torch.compile of vLLM's sampler helpers: on CPU their first call would compile them
+            # (a one-off on the first sampled request) and eager sampling is no slower (bench/first_steps.py)
             "TORCHDYNAMO_DISABLE": "1",
         })
         if uni:
@@ -104,8 +100,7 @@ class VLLMServer(ServerProcess):
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path or (cache_dir() / f"vllm-{self.port}.log")
         # CPU-only settings: eager mode (no CUDA graphs to capture) and the CPU backend's own knobs. One
-        # worker runs inside the engine-core process ("uni") instead of a process of its own: a vLLM start
-        # here took 36.6 s with the extra process, 24.9 s without (its imports and handshake). vLLM-CPU
+        # worker runs inside the engine-core process ("uni"), saving a process's imports and handshake. vLLM-CPU
         # forces its multiprocess executor unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (set below), so that
         # it can pin OpenMP threads; we never pin (nobind) and set OMP_NUM_THREADS ourselves.
         uni = device == "cpu" and not any(a.startswith(("--distributed-executor-backend", "--tensor-parallel-size",
@@ -131,7 +126,7 @@ class VLLMServer(ServerProcess):
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Ready, and on CPU warmed up: one prompt of WARM_UP_TOKENS tokens, sampled (temperature 1,
         logprobs) for a few tokens. Why:
-        - on an AMX machine (2026-11-27) a CPU server whose first request was a prompt of a few tokens
+        - on an AMX machine a CPU server whose first request was a prompt of a few tokens
           died in vLLM's CPU attention kernel (SIGILL in `cpu_attention_with_kv_cache`, the engine core
           gone, every request after it answered 500); after one longer prompt, short ones are served.
           Our runs never met it, but a server anyone attaches to (`factory serve`) may get any prompt;

@@ -59,7 +59,7 @@ IDLE_ENV = "FACTORY_VLLM_ZYGOTE_IDLE_S"
 _PREFIX = "factory-vllm-zygote-"
 
 # Modules a CPU vLLM server imports after parsing its arguments (its engine core, the CPU worker and model
-# runner, the model classes our recipes use): imported by its zygote too, ~1 s less per start. A module
+# runner, the model classes our recipes use): imported by its zygote too, to shorten each start. A module
 # missing from another vLLM version is skipped.
 _VLLM_PRIME = (
     "vllm.v1.engine.core", "vllm.v1.engine.async_llm", "vllm.v1.engine.core_client",

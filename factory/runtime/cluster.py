@@ -16,8 +16,7 @@ def local_ray(num_cpus: int = 8):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    # Ray runs workers at nice 15: any other busy process then starves the engines and trainer
-    # (seen here: 4x slower steps while a test suite ran beside the run). The run is the main job.
+    # Ray runs workers at nice 15, where any other busy process starves the engines and trainer
     os.environ.setdefault("RAY_worker_niceness", "0")
     started = False
     if not ray.is_initialized():
@@ -25,7 +24,7 @@ def local_ray(num_cpus: int = 8):
 
         address = profile.ray_address()
         # Ray reads that variable once, at `import ray` (usually before this runs): without this,
-        # it binds to the machine's address instead of loopback (seen: 192.0.2.2), and turns a
+        # it binds to the machine's address instead of loopback, and turns a
         # cluster address of 127.0.0.1 into the machine's address, where nothing listens
         from ray._private import ray_constants
 

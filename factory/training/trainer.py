@@ -77,7 +77,7 @@ def resolve_precision(wanted: str, device: torch.device) -> str:
 class Trainer:
     """`train.device` decides where the weights, activations and optimizer state live (auto: CUDA when
     this process sees a GPU). The CPU path is what runs and is tested here; the CUDA path moves the
-    same tensors to the GPU and was checked on a lent GPU only where the README says so.
+    same tensors to the GPU (docs/trainer.md says which GPU paths have run).
 
     `rank`/`world_size`: this trainer's place in an FSDP2 group whose default process group the
     caller has formed (`factory.training.parallel.init_trainer_group`); 1 rank is the plain path."""

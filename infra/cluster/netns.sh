@@ -1,23 +1,9 @@
 #!/usr/bin/env bash
-# A two-node Ray cluster on one machine: two network namespaces joined by a veth pair, each node with
-# its own address, and node 2 with a private view of the state directory (it sees none of node 1's
-# runs, models or checkpoints, as a second machine would not). Needs root (ip netns, mount).
-#
-#   infra/cluster/netns.sh up                 # namespaces, veth, Ray head on node 1, Ray worker on node 2
-#   infra/cluster/netns.sh run CMD...         # run CMD on node 1 with RAY_ADDRESS set (the driver's place)
-#   infra/cluster/netns.sh down               # stop every process of both nodes by PID, delete the namespaces
-#   infra/cluster/netns.sh partition 30       # faults: the link down for 30 s; kill-node2 (every process of
-#                                             # node 2 killed at once); start-node2 (a new node 2 joins)
-#
-# On real machines the same two `ray start` lines (below, without `ip netns exec`/`unshare`) are all
-# it takes: `ray start --head --node-ip-address <node 1> --resources '{"trainer": 4}'` on node 1 and
-# `ray start --address <node 1>:6379 --node-ip-address <node 2> --resources '{"rollout": 8}'` on node 2,
-# then a recipe whose `placement` section asks for those resources (recipes/two_node.yaml).
-#
-# Settings (environment): CLUSTER_NAME (namespace prefix, default factory), CLUSTER_SUBNET (first
-# three octets, default 10.250.0), CLUSTER_DIR (Ray temp dirs and logs, default /tmp/factory-cluster-NAME),
-# FACTORY_HOME (the runs' state dir, which node 2 must not see; default <repo>/.state/cluster-home, apart
-# from the venv in <repo>/.state that both nodes run), PYTHON (default <repo>/.state/venv/bin/python).
+# A two-node Ray cluster on one machine (root): two network namespaces joined by a veth pair; node 2
+# sees a private state dir. Usage: up | run CMD... | down | partition SECONDS | kill-node2 | start-node2.
+# On real machines the two `ray start` lines below (without netns/unshare) are all it takes (docs/cluster.md).
+# Settings: CLUSTER_NAME (default factory), CLUSTER_SUBNET (default 10.250.0), CLUSTER_DIR
+# (default /tmp/factory-cluster-NAME), FACTORY_HOME (default <repo>/.state/cluster-home), PYTHON.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 NAME="${CLUSTER_NAME:-factory}"

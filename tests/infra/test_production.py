@@ -340,7 +340,7 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
     assert not alive(daemon)
     assert bob.wait_for_run(killed["runId"], 300)["status"] == "FAILURE"
 
-    # the production services fail under the relaunched attempt's training, once each (issue 24): Postgres
+    # the production services fail under the relaunched attempt's training, once each: Postgres
     # (the lake's catalog, MLflow's and Dagster's storage), then the S3 server (the lake's files). The run
     # trains on through each outage: a step is logged after it (read from the run dir, which needs neither
     # service), unless the run got to its end meanwhile. (Injected here, not into the first attempt: the
@@ -348,11 +348,9 @@ def test_two_users_sweep_at_once_and_a_killed_daemon_and_run_worker_recover(stac
     bob_dir = stack.home / "runs" / key
     lines = metrics_lines(bob_dir)
     wait_for(lambda: metrics_lines(bob_dir) > lines, 900, "the relaunched attempt never trained a step")
-    # A Dagster run's own start and end are written to Postgres by dagster-postgres, which gives up on a
-    # connection after 5 tries over ~6 s: a run that starts or ends inside an outage fails (README, "Service
-    # outages": not covered). So the outages wait for alice's runs to end, and only bob's relaunched attempt,
-    # mid-training, meets them (in a fresh clone's run, Postgres took 6.6 s to come back while alice's second
-    # run, queued behind bob's, still ran, and that run failed)
+    # dagster-postgres gives up on a connection after ~6 s, so a run that starts or ends inside an outage fails
+    # (docs/production.md, "Service outages": not covered): the outages wait for alice's runs to end, and only
+    # bob's relaunched attempt, mid-training, meets them
     alice_runs = alice.wait_for_runs(2, 900, tags=[{"key": "factory/sweep_run_id", "value": sweeps["alice"]}])
     assert [r["status"] for r in alice_runs] == ["SUCCESS", "SUCCESS"], failures(alice, alice_runs)
     outages = {}

@@ -1,6 +1,6 @@
 """Every socket a run opens stays on loopback (tests and runs may only use 127.0.0.0/8), and nothing
 listens on a wildcard address: Ray, the trainer's weight-sync rendezvous, the engines, the gateway,
-and the Dagster and MLflow UIs as the README starts them."""
+and the Dagster and MLflow UIs as the README and docs/getting-started.md start them."""
 
 from __future__ import annotations
 

@@ -17,9 +17,8 @@ from factory.run import run
 from .conftest import FILTER_ON, small_recipe
 
 QUIET = ["eval.before=false", "eval.after=false"]
-# the seeded runs keep the zero-variance filter on, as they ran before TEST_OVERRIDES turned it off: without
-# it, one of two runs here differed in one logprob by 5e-7 (tokens equal) - vLLM-CPU's logprobs depend on how
-# a step's requests are batched, which depends on their arrival times (deterministic batches: issue 26)
+# the seeded runs keep the zero-variance filter on: vLLM-CPU's logprobs depend on how a step's requests
+# are batched, which depends on their arrival times
 SEEDED = ["async.max_staleness=0", "rollout.seed=3", FILTER_ON]
 
 

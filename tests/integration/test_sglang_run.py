@@ -5,9 +5,8 @@ into it (the run's own weights first: the server holds whatever the last user le
 
 At η = 0 every batch was sampled right after a sync, so the trainer's recomputed logprobs of the
 sampled tokens must match the engine's within bf16 tolerance. At η = 1 (the default recipe) the
-engine drains and updates while it generates the next step's groups: 20 steps of that once hung the
-server (issue 24: an update right behind the drain found SGLang still holding the requests it had
-just answered)."""
+engine drains and updates while it generates the next step's groups: an update right behind the drain
+must not find SGLang still holding the requests it has just answered."""
 
 from __future__ import annotations
 

@@ -299,7 +299,7 @@ def test_broadcast_from_the_trainer_side_of_factory_weightsync(server, policy, p
 
 
 def test_sglang_answers_requests_before_it_retires_them(server, policy, prompts):
-    """Why a `wait` update neither pauses SGLang nor flushes its prefix cache at once (issue 24): SGLang
+    """Why a `wait` update neither pauses SGLang nor flushes its prefix cache at once: SGLang
     answers a request at its last token but retires it from its running batch only at its next
     scheduler iteration. A pause that lands in between (certain here: every forward sleeps 1 s and
     the pause is sent during the last one; at η = 1 it was the drain's answer racing the scheduler)
