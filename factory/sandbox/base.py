@@ -123,13 +123,15 @@ async def watch_limits(done: asyncio.Future, deadline: float, cpu_s: float | Non
                        cpu_used: Callable[[], float | None] | None) -> tuple[bool, bool]:
     """Wait for `done` until `deadline` (time.monotonic), polling `cpu_used` against the budget `cpu_s`
     when both are given. Returns (timed out, CPU budget exceeded); on either, `done` is still pending."""
-    watch_cpu = cpu_s is not None and cpu_used is not None
     while not done.done():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return True, False
-        await asyncio.wait([done], timeout=min(remaining, POLL_S) if watch_cpu else remaining)
-        if watch_cpu and not done.done() and (cpu_used() or 0) >= cpu_s:
+        if cpu_s is None or cpu_used is None:
+            await asyncio.wait([done], timeout=remaining)
+            continue
+        await asyncio.wait([done], timeout=min(remaining, POLL_S))
+        if not done.done() and (cpu_used() or 0) >= cpu_s:
             return False, True
     return False, False
 
