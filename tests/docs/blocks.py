@@ -205,7 +205,7 @@ def script(block: Block, servers: tuple[Server, ...], not_run_make: Mapping[str,
             continue
         out.placeholders += _PLACEHOLDER.findall(re.sub(r"'[^']*'|\"[^\"]*\"", "", bare))  # quoted: literal text
         if state is not None:
-            bare = re.sub(r"(?<![\w./-])\.state(?=/|\s|$)", state, bare)
+            bare = re.sub(r"(?:(?<![\w./-])|(?<=:///))\.state(?=[/\s'\"]|$)", state, bare)  # also sqlite:///.state
         make = _MAKE.match(bare)
         server = server_of(bare, servers)
         if make and all(t in not_run_make for t in make.group("targets").split()):

@@ -151,6 +151,7 @@ factory run recipes/default.yaml rollout.device=cuda
 . .state/venv/bin/activate
 factory run recipes/default.yaml async.max_staleness=0   # synchronous
 python -m assets -p 3000
+mlflow ui --backend-store-uri sqlite:///.state/mlflow/mlflow.db
 make main   # everything
 ```
 
@@ -169,21 +170,22 @@ def test_the_parser_reads_skips_overrides_and_fences():
     skipped, run, fragment = blocks.parse(PLANTED, "docs/planted.md")
     assert (skipped.where, skipped.lang, skipped.skip) == ("docs/planted.md:4", "bash", "needs a GPU")
     assert run.overrides == ("train.steps=2", "environment.system_prompt=Say #### N") and run.skip is None
-    assert (fragment.lang, fragment.line, fragment.text) == ("yaml", 16, "train:\n  steps: -1\n")
+    assert (fragment.lang, fragment.line, fragment.text) == ("yaml", 17, "train:\n  steps: -1\n")
 
     made = blocks.script(run, SERVERS, NOT_RUN_MAKE, lambda: 43210, state="/tmp/home")
     lines = made.text.splitlines()
     assert lines[0] == ". /tmp/home/venv/bin/activate"
     assert lines[1] == ("factory run recipes/default.yaml async.max_staleness=0 train.steps=2 "
                         "'environment.system_prompt=Say #### N'  # synchronous")
-    assert made.servers == ["python -m assets -p 43210"] and lines[2].startswith("docs_server 43210 ")
-    assert made.make_targets == ["main"] and lines[3].startswith(": ")
+    assert made.servers[0] == "python -m assets -p 43210" and lines[2].startswith("docs_server 43210 ")
+    assert made.servers[1] == "mlflow ui --backend-store-uri sqlite:////tmp/home/mlflow/mlflow.db --port 43210"
+    assert made.make_targets == ["main"] and lines[4].startswith(": ")
 
 
 def test_a_yaml_fragment_that_fails_is_one_line_naming_page_and_line():
     fragment = blocks.parse(PLANTED, "docs/planted.md")[2]
     problems = yaml_problems(fragment)
-    assert len(problems) == 1 and problems[0].startswith("docs/planted.md:16: train.steps"), problems
+    assert len(problems) == 1 and problems[0].startswith("docs/planted.md:17: train.steps"), problems
     assert "\n" not in problems[0]
     bad_yaml = Block("docs/planted.md", 10, "yaml", "train:\n  steps: [1\n")
     assert yaml_problems(bad_yaml)[0].startswith("docs/planted.md:1") and len(yaml_problems(bad_yaml)) == 1
