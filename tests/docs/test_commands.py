@@ -10,7 +10,8 @@ recipes and own-model-and-data pages (tests/docs/blocks.py: which pages, the mar
   reach one of the suite's policies (tests/policies.py). A command that starts a server which stays up
   (`SERVERS`) runs in the background, on a free port, until that port answers HTTP, and is then stopped
   by its process group. `make main` and `make test` are not run (`NOT_RUN_MAKE`): their targets must
-  exist. These are `integration` tests (real runs); the checks that need no run are unit tests.
+  exist. Files a block writes into the checkout (`> recipe.schema.json`) are removed after it. These are
+  `integration` tests (real runs); the checks that need no run are unit tests.
 """
 
 from __future__ import annotations
@@ -283,6 +284,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def untracked() -> set[str]:
+    """The checkout's files git neither tracks nor ignores."""
+    listed = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "-z"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout
+    return set(filter(None, listed.split("\0")))
+
+
 @pytest.fixture(scope="module")
 def page_homes():
     """A state dir per page (its blocks run in page order and may use what an earlier one made), with the
@@ -319,6 +327,7 @@ def test_shell_block_runs(block: Block, page_homes, tmp_path):
     env.update(FACTORY_HOME=str(home), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
                VIRTUAL_ENV=str(venv), HF_HUB_OFFLINE="1", DOCS_SERVER_PIDS=str(tmp_path / "servers"),
                DOCS_SERVER_TIMEOUT=str(SERVER_TIMEOUT_S))
+    before = untracked()
     t0 = time.monotonic()
     proc = subprocess.Popen(["bash", str(tmp_path / "block.sh")], cwd=REPO, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -336,5 +345,7 @@ def test_shell_block_runs(block: Block, page_homes, tmp_path):
                 pass
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        for left in untracked() - before:  # what the block wrote into the checkout (`> recipe.schema.json`)
+            (REPO / left).unlink(missing_ok=True)
     print(f"{block.where}: {time.monotonic() - t0:.0f} s\n{out[-3000:]}")
     assert proc.returncode == 0, f"{block.where}: exit {proc.returncode}; its output's end:\n{out[-4000:]}"
