@@ -3,8 +3,8 @@
 A fenced ```bash / ```sh / ```shell block is run, a ```yaml block is checked as a recipe; other fences
 (```text for output samples) are not tested. HTML comments on the lines directly above a fence control it:
 
-    <!-- test: skip: needs a GPU -->                      skipped with that reason (a GPU, a cluster or a
-                                                          long-lived server only: a skip cannot hide a broken block)
+    <!-- test: skip: needs a GPU -->                      skipped with that reason (a GPU or a cluster
+                                                          only: a skip cannot hide a broken block)
     <!-- test: overrides train.steps=2 eval.heldout=8 -->  appended to each `factory run` line of the block
 """
 
@@ -23,7 +23,7 @@ RUN_LANGS = frozenset({"bash", "sh", "shell"})
 CHECK_LANGS = frozenset({"yaml", "yml"})
 
 # a skip may only name what this machine cannot give: a GPU, a cluster, a server that stays up
-SKIP_REASON = re.compile(r"\b(gpus?|cuda|cluster|(long-lived|long-running) servers?)\b", re.IGNORECASE)
+SKIP_REASON = re.compile(r"\b(gpus?|cuda|cluster)\b", re.IGNORECASE)
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\s]*)[^`]*$")
 _MARKER = re.compile(r"^[ \t]*<!--\s*test:\s*(?P<body>.*?)\s*-->[ \t]*$")
@@ -100,7 +100,7 @@ def _apply(markers: list[tuple[int, str]], page: str, lang: str) -> tuple[str | 
             skip = body[len("skip:"):].strip()
             if not SKIP_REASON.search(skip):
                 raise MarkerError(f"{where}: skip reason {skip!r} is not accepted: a block is skipped only where it "
-                                  "needs a GPU, a cluster or a long-lived server; fix the block instead")
+                                  "needs a GPU or a cluster; fix the block instead")
         elif body.startswith("overrides"):
             if lang not in RUN_LANGS:
                 raise MarkerError(f"{where}: overrides apply to the `factory run` lines of a shell block, "
