@@ -7,15 +7,12 @@ cd "$(dirname "$0")/.."
 STATE="${FACTORY_HOME:-$PWD/.state}"
 VENV="${DOCS_VENV:-$STATE/docs-venv}"
 stamp="$VENV/.factory-installed"
-want="$(cat infra/docs-venv.sh infra/docs-requirements.txt | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
-fi
-mkdir -p "$STATE"
 source infra/uv.sh
+venv_built "$stamp" infra/docs-venv.sh infra/docs-requirements.txt && exit 0
+mkdir -p "$STATE"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 venv_uv "$VENV" -r infra/docs-requirements.txt
 "$VENV/bin/python" -c "import mkdocs, material, mkdocstrings, mkdocstrings_handlers.python" \
   || { echo "docs-venv: $VENV cannot import the docs tools; see the output above" >&2; exit 1; }
-echo "$want" > "$stamp"
+echo "$VENV_WANT" > "$stamp"
 echo "docs-venv: ready ($VENV)"

@@ -9,13 +9,10 @@ cd "$(dirname "$0")/.."
 STATE="${FACTORY_HOME:-$PWD/.state}"
 VENV="$STATE/sglang-venv"
 stamp="$VENV/.factory-installed"
-want="$(sha256sum infra/sglang-venv.sh | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
-fi
+source infra/uv.sh  # venv_uv: uv instead of pip; the venv cache
+venv_built "$stamp" infra/sglang-venv.sh && exit 0
 mkdir -p "$STATE"
 t0=$(date +%s)
-source infra/uv.sh  # venv_uv: uv instead of pip (~150 s -> well under a minute here); the venv cache
 # The import check also byte-compiles what the server imports (PYTHONDONTWRITEBYTECODE lifted for it):
 # compiling the whole 6 GB venv (uv --compile-bytecode) at nice 10 made it finish at 210 s of a fresh
 # clone's CI, after the rest of the set-up, and only one SGLang server starts in a test session
@@ -24,7 +21,7 @@ check_venv() {
     "$VENV/bin/python" -W ignore -c "import sglang.launch_server, sglang.srt.entrypoints.http_server"
 }
 ready() {
-  echo "$want" > "$stamp"
+  echo "$VENV_WANT" > "$stamp"
   echo "sglang-venv: ready ($VENV, $(du -sh "$VENV" | cut -f1), $(( $(date +%s) - t0 )) s$1)"
   exit 0
 }

@@ -1,6 +1,14 @@
-# Sourced by infra/setup.sh and infra/sglang-venv.sh: install into a venv with uv, much faster than pip.
+# Sourced by infra/setup.sh, infra/sglang-venv.sh and infra/docs-venv.sh: install into a venv with uv, much faster than pip.
 # uv reads none of pip's configuration, so it is handed the machine's wheel directories (find-links).
 UV_VERSION="0.13.*"
+
+# venv_built STAMP FILES...: true when the venv behind STAMP was built from FILES as they are now (the
+# stamp holds their hash); VENV_WANT is set to that hash for the caller to write once it is built
+venv_built() {
+  local stamp=$1; shift
+  VENV_WANT="$(cat "$@" | sha256sum | cut -c1-16)"
+  [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$VENV_WANT" ]
+}
 
 # find_links: the machine's wheel directories (pip's config, PIP_FIND_LINKS), one per line
 find_links() {
