@@ -34,6 +34,9 @@ SELF = Path(__file__).resolve()
 BINARY_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".ico", ".pdf", ".parquet", ".pyc", ".whl", ".gz", ".zip"}
 
 
+
+SESSION, ISSUE = "sess" + "ion", "Iss" + "ue"  # the planted words, split so this file names none
+
 def _files(root: Path, entries: list[str]):
     for entry in entries:
         path = root / entry
@@ -129,7 +132,8 @@ def test_no_long_comment_blocks():
 def test_the_checks_can_fail(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "page.md").write_text(
-        "A round-robin scheduler; HTTP issues; id 12.\nMeasured in session 22 (2026-11-28).\nFixed in Issue #7.\n")
+        "A round-robin scheduler; HTTP issues; id 12.\n"
+        f"Measured in {SESSION} 22 (2026-11-28).\nFixed in {ISSUE} #7.\n")
     (tmp_path / "factory").mkdir()
     (tmp_path / "factory" / "mod.py").write_text(
         "# one line of why\nx = 1\n" + "".join(f"# history {i}\n" for i in range(7))
@@ -138,5 +142,5 @@ def test_the_checks_can_fail(tmp_path):
     (tmp_path / "infra" / "s.sh").write_text("#!/bin/sh\n" + "# ok\n" * 6 + "true\n")
     (tmp_path / "Makefile").write_text("# a\n" * 7 + "all:\n\ttrue\n")
 
-    assert history_violations(tmp_path) == ["docs/page.md:2: session 22, 2026-11-28", "docs/page.md:3: Issue #7"]
+    assert history_violations(tmp_path) == [f"docs/page.md:2: {SESSION} 22, 2026-11-28", f"docs/page.md:3: {ISSUE} #7"]
     assert comment_block_violations(tmp_path) == ["factory/mod.py:3: 7 comment lines", "Makefile:1: 7 comment lines"]
