@@ -83,10 +83,20 @@ def batch_spec(n: int, prompt: int, completion: int | list[int], seed: int = 0) 
     return {"n": n, "prompt": prompt, "completion": completion, "seed": seed}
 
 
+def _rooms() -> bool:
+    """Whether the importable `factory` has its rooms (OLD_COMMIT's tree keeps every module at its root)."""
+    import factory
+
+    return (Path(factory.__file__).parent / "core").is_dir()
+
+
 def make_batch(spec: dict):
     import torch
 
-    from factory.core.types import Batch, Group, Sample, Task
+    if _rooms():
+        from factory.core.types import Batch, Group, Sample, Task
+    else:
+        from factory.types import Batch, Group, Sample, Task
 
     g = torch.Generator().manual_seed(spec["seed"])
     comps = spec["completion"] if isinstance(spec["completion"], list) else [spec["completion"]] * spec["n"]
@@ -123,7 +133,10 @@ def variant_trainer(model: str, spec: dict, steps: int, overrides: list[str], ra
     """The Trainer of whatever `factory` is importable (this tree's, or OLD_COMMIT's worktree)."""
     import inspect
 
-    from factory.training.trainer import Trainer
+    if _rooms():
+        from factory.training.trainer import Trainer
+    else:
+        from factory.trainer import Trainer
 
     # every variant computes on the same threads: this machine's cores, shared by the ranks
     r = _recipe([f"train.threads={max(1, (os.cpu_count() or 1) // world)}", *overrides])
