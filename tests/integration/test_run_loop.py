@@ -159,6 +159,8 @@ def test_partial_rollouts_carry_exact_per_token_versions(engine_back_to_wait, po
         d = torch.tensor([abs(a - b) for r, lp, keep in zip(sel, ref, at) for a, b, k in zip(r["logprobs"], lp, keep) if k])
         move = moves([[x for x, k in zip(lp, keep) if k] for lp, keep in zip(ref, at)],
                      [[x for x, k in zip(lp, keep) if k] for lp, keep in zip(ref_bf16, at)])
-        check_bf16_gap(d, move, f"{mode} v{version}")
+        # a resumed chunk's earlier tokens are re-prefilled by vLLM, a kernel path the bf16 copy does not
+        # model: one token in ~1,000 lands past the per-token bound (0.29 against 0.28, seen in CI)
+        check_bf16_gap(d, move, f"{mode} v{version}", outlier_share=0.005)
         checked += d.numel()
     assert checked > 0
