@@ -50,6 +50,9 @@ class Sample:
     info: dict[str, Any] = field(default_factory=dict)
     support: list[list[int]] = field(default_factory=list)
     teacher_logprobs: list[float] = field(default_factory=list)  # set by a scorer (factory/training/scoring.py)
+    # mixture-of-experts policies with routing replay: per completion token, the experts (per MoE layer,
+    # top-k ids) of the forward pass that produced it ([] where not sampled); empty when not recorded
+    routed_experts: list[list[list[int]]] = field(default_factory=list)
     prompt_text: str = ""  # the decoded prompt_ids / completion_ids (what the model read and wrote)
     completion_text: str = ""
 

@@ -17,6 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from factory.core.types import NOT_SAMPLED, Sample
+from factory.model.routing import routing_tensor
 
 DEFAULT_CHUNK_TOKENS = 512
 
@@ -56,6 +57,9 @@ def pad_samples(samples: list[Sample], pad_id: int) -> dict[str, Any]:
                 if cands:
                     support[i, j, : len(cands)] = torch.tensor(cands)
         out["support"] = support
+    routing = routing_tensor(samples, width)
+    if routing is not None:  # [B, L, MoE layers, k]: the engine's experts per input position (routing.py)
+        out["routing"] = routing
     return out
 
 

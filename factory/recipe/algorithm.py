@@ -98,6 +98,12 @@ class AlgorithmSection(Section):
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty over the last N tokens before "
                                  "rollout.max_new_tokens; 0 disables it")
     overlong_penalty: float = Field(1.0, ge=0, description="reward subtracted at and beyond the length limit")
+    routing_replay: Literal["off", "rollout"] | None = Field(
+        None, description="mixture-of-experts policies: 'rollout' routes each sampled token through the experts "
+        "the engine chose for it (R3), 'off' lets the trainer's router choose; unset: rollout for a "
+        "mixture-of-experts policy, off for a dense one")
+    router_aux_loss_coef: float = Field(0.0, ge=0, description="mixture-of-experts policies: weight of the "
+                                        "router's load-balancing loss (0: off, as RL runs usually have it)")
 
     @field_validator("advantage", "loss", "aggregation", "kl_estimator")
     @classmethod

@@ -59,7 +59,7 @@ class Recipe(Section):
         engines = registries.ENGINES
         if self.rollout.engine not in engines:
             raise ValueError(f"rollout.engine: unknown {self.rollout.engine!r}; choose one of {engines.names()}")
-        problems = engines[self.rollout.engine].problems(self.rollout, self.train.lora.enabled)
+        problems = engines[self.rollout.engine].problems(self.rollout, self.train.lora.enabled, self.replays_routing)
         if problems:
             raise ValueError(problems[0])
         urls = self.rollout.urls
@@ -81,6 +81,14 @@ class Recipe(Section):
             raise ValueError(f"rollout.max_model_len: {r.max_model_len} is beyond the built model's context "
                              f"(model.max_position={self.model.max_position})")
         return self
+
+    @property
+    def replays_routing(self) -> bool:
+        """Whether the engine records each sampled token's experts for the trainer to replay: asked for,
+        or unset with a built mixture-of-experts policy (a policy loaded from model.path is decided when
+        the run reads its config: `factory.model.routing.wants_replay`)."""
+        wanted = self.algorithm.routing_replay
+        return wanted == "rollout" or (wanted is None and not self.model.path and self.model.architecture == "qwen3_moe")
 
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)

