@@ -4,6 +4,8 @@ episodes), and any row checked and normalised against its table's spec before th
 from __future__ import annotations
 
 import json
+import sys
+from array import array
 from datetime import datetime, UTC
 from typing import Any
 
@@ -40,6 +42,40 @@ def normalize(spec: TableSpec, row: dict[str, Any], run_id: str | None) -> dict[
 
 
 
+def pack_routing(routed: list[list[list[int]]]) -> bytes | None:
+    """A sample's per-token routing (`Sample.routed_experts`) as the lake's `routed_experts` bytes:
+    int16 little-endian, a header (layers, experts per token) then tokens x layers x k expert ids,
+    -1 for a token with none. Two bytes per expert id, the least a list column would take per value."""
+    first = next((r for r in routed if r), None)
+    if first is None:
+        return None
+    layers, k = len(first), len(first[0])
+    flat = [layers, k]
+    for experts in routed:
+        flat.extend(e for layer in experts for e in layer) if experts else flat.extend([-1] * (layers * k))
+    packed = array("h", flat)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_routing(blob: bytes | None) -> list[list[list[int]]]:
+    """`pack_routing`'s inverse ([] for None)."""
+    if not blob:
+        return []
+    flat = array("h")
+    flat.frombytes(blob)
+    if sys.byteorder != "little":
+        flat.byteswap()
+    layers, k = flat[0], flat[1]
+    width = layers * k
+    out: list[list[list[int]]] = []
+    for t in range(2, len(flat), width):
+        token = flat[t: t + width]
+        out.append([] if token[0] < 0 else [list(token[i * k: (i + 1) * k]) for i in range(layers)])
+    return out
+
+
 def sample_row(sample: Sample, run_id: str, status: str, step: int, *, trained_version: int | None = None,
                sample_id: str | None = None, info: dict[str, Any] | None = None,
                batch_position: int | None = None) -> dict[str, Any]:
@@ -59,6 +95,7 @@ def sample_row(sample: Sample, run_id: str, status: str, step: int, *, trained_v
         "status": status, "step": step, "prompt_text": sample.prompt_text or None,
         "completion_text": sample.completion_text or None, "support": sample.support or None,
         "teacher_logprobs": sample.teacher_logprobs or None, "batch_position": batch_position,
+        "routed_experts": pack_routing(sample.routed_experts),
     }
 
 

@@ -10,6 +10,8 @@
 
 Token-level columns of `samples` (`completion_ids`, `logprobs`, `versions`, `loss_mask`) are
 aligned: element i of each describes completion token i (see `factory.core.types.Sample`).
+`routed_experts` (mixture-of-experts policies with routing replay) packs the same per-token
+alignment into bytes: `factory.lake.rows.pack_routing`.
 `tasks.dataset` is the fingerprint of the recipe's `data` section and of each file source's rows
 (`factory.data.tasks.dataset_fingerprint`; runs name it in `runs.origin`): task ids like
 `basic_arithmetic/train/0` repeat across datasets, so they are unique only within one.
@@ -38,6 +40,7 @@ from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
 from pyiceberg.transforms import IdentityTransform
 from pyiceberg.types import (
+    BinaryType,
     DoubleType,
     FloatType,
     IcebergType,
@@ -140,6 +143,7 @@ _SAMPLES = _schema([
     ("written_at", _T, False), ("status", _S, False), ("step", _I, False), ("error", _S, False),
     ("prompt_text", _S, False), ("completion_text", _S, False), ("support", ("list", ("list", _I)), False),
     ("teacher_logprobs", ("list", _F), False), ("batch_position", _I, False),
+    ("routed_experts", BinaryType(), False),
 ])
 SAMPLE_STATUSES = ("trained", "filtered", "rejected", "unused", "failed", "evaluation", "dropped")
 _STEPS = _schema([

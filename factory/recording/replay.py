@@ -22,13 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from factory.lake.rows import unpack_routing
 from factory.lake.schemas import NAMESPACE
 from factory.support.threads import shape_of
 from factory.core.types import Batch, Group, Sample, Task
 
 # the columns a Sample needs back
 _SAMPLE_COLUMNS = ("sample_id", "group_id", "task_id", "prompt_ids", "completion_ids", "logprobs", "loss_mask",
-                   "versions", "reward", "env", "turns", "finish_reason", "support", "teacher_logprobs")
+                   "versions", "reward", "env", "turns", "finish_reason", "support", "teacher_logprobs",
+                   "routed_experts")
+
+_DECODED = ("support", "teacher_logprobs", "routed_experts")  # columns stored otherwise than a Sample holds them
 
 
 class ReplayError(ValueError):
@@ -66,8 +70,9 @@ def trained_batches(run_id: str, catalog, namespace: str = NAMESPACE) -> dict[in
         step_rows.sort(key=lambda r: (r["batch_position"] is None, r["batch_position"], r["sample_id"]))
         groups: dict[str, Group] = {}  # insertion order = batch order
         for row in step_rows:
-            sample = Sample(**{c: row[c] for c in _SAMPLE_COLUMNS if c not in ("support", "teacher_logprobs")},
-                            support=row["support"] or [], teacher_logprobs=row["teacher_logprobs"] or [])
+            sample = Sample(**{c: row[c] for c in _SAMPLE_COLUMNS if c not in _DECODED},
+                            support=row["support"] or [], teacher_logprobs=row["teacher_logprobs"] or [],
+                            routed_experts=unpack_routing(row["routed_experts"]))
             group = groups.setdefault(row["group_id"], Group(row["group_id"], Task(row["task_id"], "", "", ""), []))
             group.samples.append(sample)
         batches[step] = (step_rows[0]["trained_version"], list(groups.values()))

@@ -328,3 +328,23 @@ def test_a_relaunch_reads_back_only_the_keys_from_its_checkpoint_up(catalog):
         assert writer.append("samples", [sample_row("r", f"s3-{i}", step=3, reward=0.0) for i in (0, 1)]) == 2
     mine = [r for r in _rows(catalog, "samples") if r["run_id"] == "r"]
     assert sorted(r["sample_id"] for r in mine) == ["s1-0", "s1-1", "s2-0", "s2-1", "s3-0", "s3-1"]
+
+
+def test_a_mixture_of_experts_samples_routing_round_trips_through_the_lake_into_replay(catalog):
+    from factory.core.types import Batch, Group, Sample, Task
+    from factory.lake.rows import pack_routing, sample_rows
+    from factory.recording.replay import trained_batches
+
+    routed = [[[1, 2], [7, 0]], [], [[3, 4], [5, 6]], [[0, 1], [2, 3]]]  # token 1: a tool token, not sampled
+    sample = Sample("s0", "g0", "t-1", [5, 6], [7, 8, 9, 10], [-0.5, 0.0, -0.25, -1.5], [1, 0, 1, 1],
+                    [2, -1, 3, 3], reward=1.0, routed_experts=routed)
+    plain = Sample("s1", "g0", "t-1", [5, 6], [7, 8], [-0.5, -0.1], [1, 1], [3, 3])
+    batch = Batch(3, [Group("g0", Task("t-1", "", "", ""), [sample, plain])])
+    with TrajectoryWriter(catalog, run_id="run-moe") as writer:
+        writer.append("samples", sample_rows(batch, "run-moe", step=1))
+    stored = {r["sample_id"]: r for r in _rows(catalog, "samples")}
+    assert stored["s0"]["routed_experts"] == pack_routing(routed) and len(stored["s0"]["routed_experts"]) == 2 * (2 + 4 * 4)
+    assert stored["s1"]["routed_experts"] is None
+    (version, groups), = trained_batches("run-moe", catalog).values()
+    back = {s.sample_id: s for s in groups[0].samples}
+    assert version == 3 and back["s0"].routed_experts == routed and back["s1"].routed_experts == []
