@@ -178,3 +178,19 @@ def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, experts: int)
         return probs.sum() * 0.0
     share = torch.bincount(chosen.flatten(), minlength=experts).to(probs.dtype) / chosen.numel()
     return experts * (share * probs.mean(0)).sum()
+
+
+def mixture_of_experts(model_dir) -> bool:
+    """Whether the Hugging Face model in `model_dir` routes tokens to experts (its config names them)."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return any(config.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def wants_replay(recipe, model_dir) -> bool:
+    """Whether a run of `recipe` on the policy in `model_dir` has its engines record each sampled token's
+    experts: `algorithm.routing_replay: rollout`, or unset with a mixture-of-experts policy."""
+    wanted = recipe.algorithm.routing_replay
+    return wanted == "rollout" or (wanted is None and mixture_of_experts(model_dir))
