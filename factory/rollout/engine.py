@@ -31,6 +31,7 @@ class SamplingParams:
     seed: int | None = None
     min_new_tokens: int = 0  # stop tokens are not sampled before this many new tokens
     support_k: int = 0  # > 0: record the sampler's candidate set per token (asks for this many top logprobs)
+    return_routing: bool = False  # MoE policies: record the experts each sampled token was routed through
 
 
 @dataclass
@@ -42,9 +43,32 @@ class Generation:
     prompt_tokens: int = 0
     # per token, the ids the sampler could have chosen (after top-k/top-p); [] = not known
     support: list[list[int]] | None = None
+    # routing replay (`return_routing`, MoE policies): per sampled token, per MoE layer (in model order), the
+    # top-k expert ids that the position whose logits produced it was routed to (the prompt's last position
+    # for the first token, then the previous token's); None where not asked or the model has no router
+    routed_experts: list[list[list[int]]] | None = None
 
 
 MASKED_LOGPROB = -1000.0  # vLLM reports candidates the sampler excluded at -9999
+
+
+def routing_from(encoded: str | None, n_tokens: int) -> list[list[list[int]]] | None:
+    """A server's `routed_experts` (base64 `.npy`, `[n_sampled, layers, top_k]`, as vLLM's endpoints send
+    it) as lists, one entry per sampled token; None when the server sent none (a dense model, or a server
+    without our capture), [] for a request that sampled nothing. A row count that is not the token count
+    is refused: misaligned routing would silently train the wrong experts."""
+    if encoded is None:
+        return [] if n_tokens == 0 else None
+    import base64
+    import io
+
+    import numpy as np
+
+    rows = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    if rows.ndim != 3 or rows.shape[0] != n_tokens:
+        raise ValueError(f"routed_experts: {tuple(rows.shape)} for {n_tokens} sampled tokens "
+                         "(expected [tokens, layers, top_k])")
+    return rows.tolist()
 
 
 def support_from(candidates: list[tuple[int, float]], k: int) -> list[int]:

@@ -62,6 +62,7 @@ class SessionRecord:
     loss_mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     support: list[list[int]] = field(default_factory=list)  # sampler candidates per token (when kept)
+    routed_experts: list[list[list[int]]] = field(default_factory=list)  # per token [layer][top_k] (when kept)
     messages: list[dict] = field(default_factory=list)  # the conversation the ids stand for
     turns: int = 0
     finish_reason: str = ""
@@ -72,10 +73,14 @@ class SessionRecord:
         return self.prompt_ids + self.completion_ids
 
     def extend(self, ids: list[int], *, sampled: bool, logprobs: Sequence[float] = (), versions: Sequence[int] = (),
-               support: list[list[int]] | None = None):
+               support: list[list[int]] | None = None, routed_experts: list[list[list[int]]] | None = None):
         if support is not None or self.support:  # once recorded, every token gets an entry ([] = unknown)
             self.support += [[] for _ in range(len(self.completion_ids) - len(self.support))]
             self.support += [list(s) for s in support] if (sampled and support is not None) else [[] for _ in ids]
+        if routed_experts is not None or self.routed_experts:  # the same: [] = not sampled (tool output) or unknown
+            self.routed_experts += [[] for _ in range(len(self.completion_ids) - len(self.routed_experts))]
+            self.routed_experts += (list(routed_experts) if (sampled and routed_experts is not None)
+                                    else [[] for _ in ids])
         self.completion_ids += ids
         self.loss_mask += [1 if sampled else 0] * len(ids)
         self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)
@@ -212,7 +217,8 @@ class Gateway:
     def record_generation(self, record: SessionRecord, gen: Generation) -> str:
         """Append sampled tokens; returns the reply text (without the end token)."""
         ids = list(gen.token_ids)
-        record.extend(ids, sampled=True, logprobs=gen.logprobs, versions=gen.versions, support=gen.support)
+        record.extend(ids, sampled=True, logprobs=gen.logprobs, versions=gen.versions, support=gen.support,
+                      routed_experts=gen.routed_experts)
         # what the model sees next turn is exactly these ids: close an unterminated reply ourselves
         if not ids or ids[-1] != self.end_id:
             record.extend([self.end_id], sampled=False)
@@ -246,6 +252,7 @@ class Gateway:
             seed=body.get("seed"),
             min_new_tokens=d.min_new_tokens,
             support_k=d.support_k,
+            return_routing=d.return_routing,
         )
 
     # ---- serving -----------------------------------------------------------------------------
@@ -313,7 +320,7 @@ class Gateway:
             prompt_ids=record.prompt_ids, completion_ids=record.completion_ids, logprobs=record.logprobs,
             loss_mask=record.loss_mask, versions=record.versions, reward=reward, env=env, turns=record.turns,
             finish_reason=record.finish_reason, timings={"generate_s": record.generate_s, **(timings or {})},
-            info=info or {}, support=record.support,
+            info=info or {}, support=record.support, routed_experts=record.routed_experts or None,
             prompt_text=self.tokenizer.decode(record.prompt_ids, skip_special_tokens=False),
             completion_text=self.tokenizer.decode(record.completion_ids, skip_special_tokens=False),
         )

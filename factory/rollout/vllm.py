@@ -33,11 +33,15 @@ from typing import Any
 
 import httpx
 
-from factory.rollout.engine import AdmissionGate, Generation, SamplingParams, server_engine_metrics, support_from
+from factory.rollout.engine import (AdmissionGate, Generation, SamplingParams, routing_from, server_engine_metrics,
+                                   support_from)
 from factory.rollout.server import EngineStartError, ServerClient, ServerProcess, check_response, engine_client, free_port  # noqa: F401 (re-exported)
 from factory.rollout.vllm_server import (  # noqa: F401 (re-exported: the server's names, where callers import them)
     SERVER_MODULE, WARM_UP_TOKENS, AttachedServer, VLLMServer, prestart_zygote, server_env, stop_zygote,
 )
+
+
+ROUTING_FLAG = "factory_routing"  # the extra_args key our capture answers (vllm_site/factory_routing.py)
 
 
 class VLLMEngine(ServerClient):
@@ -108,7 +112,8 @@ class VLLMEngine(ServerClient):
         per_request = sampling.seed is not None and self.partial == "wait" and self.batch_route
         seed_key = "per-request" if per_request else sampling.seed
         key = (sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
-               tuple(sampling.stop_token_ids), seed_key, sampling.min_new_tokens, sampling.support_k)
+               tuple(sampling.stop_token_ids), seed_key, sampling.min_new_tokens, sampling.support_k,
+               sampling.return_routing)
         future = asyncio.get_running_loop().create_future()
         pending = self._pending.setdefault(key, [])
         pending.append((prompt_ids, request_id, future, sampling))
@@ -134,7 +139,7 @@ class VLLMEngine(ServerClient):
         """
         if self.partial == "inflight":
             return await self._flush_versioned(batch)
-        max_new_tokens, temperature, top_p, top_k, stop_ids, seed, min_new_tokens, support_k = key
+        max_new_tokens, temperature, top_p, top_k, stop_ids, seed, min_new_tokens, support_k, routing = key
         if seed == "per-request":  # /v1/completions takes one seed for all prompts; the batch route one each
             async with self.gate:  # as below: an update waits for these to drain, so one version sampled them
                 if self.sample_route and await self._flush_sampled(batch, self.version):
@@ -153,6 +158,8 @@ class VLLMEngine(ServerClient):
             body["stop_token_ids"] = list(stop_ids)
         if seed is not None:
             body["seed"] = seed
+        if routing:  # our capture (vllm_site/factory_routing.py) answers requests that ask
+            body["vllm_xargs"] = {ROUTING_FLAG: 1}
         self._batches += 1
         batch_id = f"b{self._batches}-{batch[0][1]}"
         for i, (_, request_id, *_) in enumerate(batch):
@@ -185,17 +192,23 @@ class VLLMEngine(ServerClient):
                            for top in tops]
             if future.done():
                 continue
+            try:
+                routed = routing_from(choice.get("routed_experts"), len(ids)) if routing else None
+            except ValueError as err:
+                future.set_exception(err)
+                continue
             if finish == "abort" and request_id not in self._user_aborted and len(ids) < sampling.max_new_tokens:
                 # cut off by a weight update (abort_resume): continue under the new weights
                 task = asyncio.create_task(self._continue(prompt_ids, ids, lps, version, sampling, request_id, future,
-                                                          support))
+                                                          support, routed))
                 self._flushing.add(task)
                 task.add_done_callback(self._flushing.discard)
                 continue
             self._user_aborted.discard(request_id)
-            future.set_result(Generation(ids, lps, [version] * len(ids), finish, len(prompt_ids), support))
+            future.set_result(Generation(ids, lps, [version] * len(ids), finish, len(prompt_ids), support, routed))
 
-    async def _continue(self, prompt_ids, ids, lps, version, sampling, request_id, future, support=None) -> None:
+    async def _continue(self, prompt_ids, ids, lps, version, sampling, request_id, future, support=None,
+                        routed=None) -> None:
         """Finish a request a weight update aborted: prompt + tokens so far go back for the rest of the
         budget (queued until the engine reopens at the new version); the pieces are joined."""
         self.stats["resumed"] += 1
@@ -211,9 +224,11 @@ class VLLMEngine(ServerClient):
         if len(set(versions)) > 1:
             self.stats["mixed_version"] += 1
         joined = None if support is None or tail.support is None else list(support) + tail.support
+        # the tail's first token was routed by its re-prefill's last position: each piece keeps its own routing
+        routing = None if routed is None or tail.routed_experts is None else list(routed) + tail.routed_experts
         if not future.done():
             future.set_result(Generation(list(ids) + tail.token_ids, list(lps) + tail.logprobs, versions,
-                                         tail.finish_reason, len(prompt_ids), joined))
+                                         tail.finish_reason, len(prompt_ids), joined, routing))
 
     async def _flush_versioned(self, batch, version: int | None = None) -> None:
         """The prompts through `/factory/v1/generate_batch`, each a separate engine request with its own
@@ -234,7 +249,7 @@ class VLLMEngine(ServerClient):
         missing = {"error": f"the server at {self.url} has no /factory/v1/generate_batch (404); start it with `factory serve`"}
         self._settle(batch, choices or [missing] * len(batch), "vLLM token endpoint",
                      lambda choice, prompt_len, sampling: self._versioned_generation(
-                         choice, prompt_len, sampling.support_k, version))
+                         choice, prompt_len, sampling.support_k, version, sampling.return_routing))
 
     async def _flush_sampled(self, batch, version: int) -> bool:
         """The prompts through our `/factory/v1/sample` (vLLM's engine client with no OpenAI layer and no
@@ -254,10 +269,11 @@ class VLLMEngine(ServerClient):
             ids = choice["token_ids"]
             support = ([support_from([(t, lp) for t, lp in top], sampling.support_k) for top in choice["top"]]
                        if sampling.support_k else None)
+            routed = routing_from(choice.get("routed_experts"), len(ids)) if sampling.return_routing else None
             self.stats["requests"] += 1
             self.stats["tokens"] += len(ids)
             return Generation(ids, choice["logprobs"], [version] * len(ids), choice["finish_reason"], prompt_len,
-                              support)
+                              support, routed)
 
         self._settle(batch, choices, "vLLM sample route", generation)
         return True
@@ -273,6 +289,8 @@ class VLLMEngine(ServerClient):
             params["min_tokens"] = sampling.min_new_tokens
         if sampling.seed is not None:
             params["seed"] = sampling.seed
+        if sampling.return_routing:
+            params["extra_args"] = {ROUTING_FLAG: 1}
         return params
 
     async def _post_batch(self, path: str, requests: list[dict], batch) -> list[dict] | None:
@@ -305,10 +323,13 @@ class VLLMEngine(ServerClient):
             elif "error" in choice:
                 future.set_exception(RuntimeError(f"{route}: {choice['error']}"))
             else:
-                future.set_result(generation(choice, len(prompt_ids), sampling))
+                try:
+                    future.set_result(generation(choice, len(prompt_ids), sampling))
+                except ValueError as err:  # a malformed answer fails its own request only
+                    future.set_exception(err)
 
     def _versioned_generation(self, choice: dict, prompt_len: int, support_k: int,
-                              version: int | None = None) -> Generation:
+                              version: int | None = None, routing: bool = False) -> Generation:
         """A token-endpoint choice as a Generation, versions from its `weight_versions` spans (or all
         `version`, when the caller held the gate)."""
         ids = choice.get("token_ids") or []
@@ -320,11 +341,12 @@ class VLLMEngine(ServerClient):
                        for c in content]
         versions = ([version] * len(ids) if version is not None
                     else spans_to_versions(choice.get("weight_versions"), len(ids), self.version))
+        routed = routing_from(choice.get("routed_experts"), len(ids)) if routing else None
         if len(set(versions)) > 1:
             self.stats["mixed_version"] += 1
         self.stats["requests"] += 1
         self.stats["tokens"] += len(ids)
-        return Generation(ids, lps, versions, choice.get("finish_reason") or "stop", prompt_len, support)
+        return Generation(ids, lps, versions, choice.get("finish_reason") or "stop", prompt_len, support, routed)
 
     async def abort(self, request_id: str) -> None:
         # bare ids abort nothing: the engine needs its own id for the prompt (see _flush)

@@ -83,6 +83,46 @@ def test_multi_turn_is_token_in_token_out(tokenizer):
     assert sample.turns == 2
 
 
+def test_routing_stays_aligned_with_completion_ids_across_turns(tokenizer):
+    """Routing replay: each sampled token keeps its [layer][top_k] experts; tool tokens and the end token
+    the gateway adds get [] (not sampled), so `routed_experts` lines up with `completion_ids`; the flag
+    reaches the engine only when the defaults ask for it."""
+    end = tokenizer.eos_token_id
+    first, second = ids_of(tokenizer, "23"), ids_of(tokenizer, "49") + [end]
+
+    class RoutingEngine(ScriptedEngine):
+        asked: list[bool] = []
+
+        async def generate(self, prompt_ids, sampling, request_id):
+            self.asked.append(sampling.return_routing)
+            gen = await super().generate(prompt_ids, sampling, request_id)
+            # token i of this reply went through experts (i, i+1) in layer 0 and (i+2, i+3) in layer 1
+            gen.routed_experts = [[[i, i + 1], [i + 2, i + 3]] for i in range(len(gen.token_ids))]
+            return gen
+
+    engine = RoutingEngine([first, second], finish="length")
+    gw = Gateway(tokenizer, [engine], SamplingParams(max_new_tokens=8, return_routing=True))
+    convo = [{"role": "user", "content": "Calculate 23 + 26."}]
+    r1 = asyncio.run(gw.chat("s", {"messages": convo}))
+    convo += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+              {"role": "tool", "content": "run_python output: 7"}]
+    asyncio.run(gw.chat("s", {"messages": convo}))
+    sample = gw.finish("s", sample_id="s", group_id="g", task_id="t", reward=0.0, env="tool")
+    assert engine.asked == [True, True]
+    assert len(sample.routed_experts) == len(sample.completion_ids)
+    n_between = len(sample.completion_ids) - len(first) - len(second)  # the closing end token + the tool message
+    expected = ([[[i, i + 1], [i + 2, i + 3]] for i in range(len(first))] + [[]] * n_between
+                + [[[i, i + 1], [i + 2, i + 3]] for i in range(len(second))])
+    assert sample.routed_experts == expected
+    assert [bool(r) for r in sample.routed_experts] == [bool(m) for m in sample.loss_mask]
+
+    plain = Gateway(tokenizer, [ScriptedEngine([first])], SamplingParams(max_new_tokens=8))
+    asyncio.run(plain.chat("p", {"messages": convo[:1]}))
+    assert plain.finish("p", sample_id="p", group_id="g", task_id="t", reward=0.0, env="x").routed_experts is None
+    with pytest.raises(ValueError, match="routed_experts has 1 entries"):
+        dataclasses.replace(sample, routed_experts=[[]])
+
+
 def test_diverged_conversation_and_n_are_refused(tokenizer):
     engine = ScriptedEngine([ids_of(tokenizer, "1")])
     gw = Gateway(tokenizer, [engine], SamplingParams(max_new_tokens=8))

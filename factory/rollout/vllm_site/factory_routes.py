@@ -13,10 +13,12 @@ inflight throughput. Each prompt of a batch goes through the endpoint's own hand
 request id and pause/resume behave exactly as they do one by one.
 
 `POST /factory/v1/sample` takes `{"requests": [{"request_id", "token_ids", "sampling_params"}, ...]}` and
-answers `{"choices": [{"token_ids", "logprobs", "finish_reason"[, "top"]} or {"error": ...}, ...]}`:
+answers `{"choices": [{"token_ids", "logprobs", "finish_reason"[, "top"][, "routed_experts"]} or {"error": ...}, ...]}`:
 each prompt is one engine request (vLLM's `SamplingParams` as given, no detokenization, the engine
 request id as given); `logprobs` are the sampled tokens' and, when the params ask for k > 0, `top` holds
-each position's `[[token_id, logprob], ...]`. Why: the token endpoint's handler (request models,
+each position's `[[token_id, logprob], ...]`; `routed_experts` (requests whose params carry
+`extra_args: {"factory_routing": 1}`, MoE models) is base64 `.npy` of `[n_sampled, layers, top_k]`,
+as vLLM's own endpoints send it (factory_routing.py). Why: the token endpoint's handler (request models,
 response models with a dict per token) cost the API server 0.050 CPU-s per 64 seeded 16-token prompts
 here with detokenization off, this 0.033, the same tokens sampled (bench/vllm_routes.py). Runs use it
 where the caller fixes the version (wait mode); inflight mode keeps the token endpoint for its per-token
@@ -91,6 +93,10 @@ async def _sample_one(client, body: dict) -> dict:
         choice = {"token_ids": ids, "finish_reason": c.finish_reason or "stop",
                   "logprobs": [_clamp(step[t].logprob) if step and t in step else -9999.0
                                for step, t in zip(steps, ids)]}
+        if c.routed_experts is not None:  # routing replay: [n_sampled, layers, top_k] (factory_routing.py)
+            from vllm.utils.serial_utils import numpy2base64
+
+            choice["routed_experts"] = numpy2base64(c.routed_experts)
         if params.logprobs:
             choice["top"] = [[[t, _clamp(lp.logprob)] for t, lp in list((step or {}).items())[:max(params.logprobs, 1)]]
                              for step in steps]

@@ -33,6 +33,10 @@ what an unchunked one does (tests/rollout/test_seeded_rewind.py; tests/integrati
 transformers, as vLLM imports it, is told that scikit-learn and scipy are absent
 (factory/support/lean_imports.py): ~1 s of every server's start, on its critical path.
 
+For mixture-of-experts policies it captures, per sampled token, the experts each MoE layer routed
+(routing replay), for the requests that ask: factory_routing.py says how and why vLLM's own
+`--enable-return-routed-experts` is not used on CPU.
+
 It also adds routes to the API server (factory_routes.py): `/factory/v1/generate_batch`, the
 token endpoint for many prompts in one HTTP request, for inflight partial rollouts, and
 `/factory/v1/update_weights`, a weight load and the prefix-cache reset in one request.
@@ -106,6 +110,19 @@ def _patch_seeded_rewind(module) -> None:
     runner._sample, runner._bookkeeping_sync = _sample, _bookkeeping_sync
 
 
+def _patch_runner(module) -> None:
+    _patch_seeded_rewind(module)
+    import factory_routing
+
+    factory_routing.patch_runner(module)
+
+
+def _patch_scheduler(module) -> None:
+    import factory_routing
+
+    factory_routing.patch_scheduler(module)
+
+
 def _lean_transformers(module) -> None:
     from factory.support.lean_imports import lean_transformers  # the repo is on the server's PYTHONPATH
 
@@ -117,7 +134,8 @@ _PATCHES = {
     "vllm.entrypoints.scale_out.token_in_token_out.api_router": _patch_routes,
     "vllm.model_executor.models.registry": _patch_inspection,
     "vllm.utils.system_utils": _patch_mp_context,
-    "vllm.v1.worker.gpu_model_runner": _patch_seeded_rewind,
+    "vllm.v1.worker.gpu_model_runner": _patch_runner,
+    "vllm.v1.core.sched.scheduler": _patch_scheduler,
     "transformers.utils": _lean_transformers,
 }
 
