@@ -34,7 +34,7 @@ class Sample:
     from (top-k/top-p survivors; [] where unknown or not sampled); empty when not recorded.
     `routed_experts`, when the rollout records routing (mixture-of-experts policies, routing replay),
     holds per completion token the expert ids each MoE layer routed it through, `[layer][top_k]`, taken
-    at the position whose logits sampled it ([] where not sampled, e.g. tool output); None when not
+    at the position whose logits sampled it ([] where not sampled, e.g. tool output); empty when not
     recorded.
     """
 
@@ -53,10 +53,7 @@ class Sample:
     timings: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     support: list[list[int]] = field(default_factory=list)
-    routed_experts: list[list[list[int]]] | None = None
     teacher_logprobs: list[float] = field(default_factory=list)  # set by a scorer (factory/training/scoring.py)
-    # mixture-of-experts policies with routing replay: per completion token, the experts (per MoE layer,
-    # top-k ids) of the forward pass that produced it ([] where not sampled); empty when not recorded
     routed_experts: list[list[list[int]]] = field(default_factory=list)
     prompt_text: str = ""  # the decoded prompt_ids / completion_ids (what the model read and wrote)
     completion_text: str = ""
@@ -71,7 +68,7 @@ class Sample:
             )
         if self.support and len(self.support) != n:
             raise ValueError(f"sample {self.sample_id}: support has {len(self.support)} entries for {n} tokens")
-        if self.routed_experts is not None and len(self.routed_experts) != n:
+        if self.routed_experts and len(self.routed_experts) != n:
             raise ValueError(f"sample {self.sample_id}: routed_experts has {len(self.routed_experts)} entries "
                              f"for {n} tokens")
 

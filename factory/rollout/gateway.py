@@ -320,7 +320,7 @@ class Gateway:
             prompt_ids=record.prompt_ids, completion_ids=record.completion_ids, logprobs=record.logprobs,
             loss_mask=record.loss_mask, versions=record.versions, reward=reward, env=env, turns=record.turns,
             finish_reason=record.finish_reason, timings={"generate_s": record.generate_s, **(timings or {})},
-            info=info or {}, support=record.support, routed_experts=record.routed_experts or None,
+            info=info or {}, support=record.support, routed_experts=record.routed_experts,
             prompt_text=self.tokenizer.decode(record.prompt_ids, skip_special_tokens=False),
             completion_text=self.tokenizer.decode(record.completion_ids, skip_special_tokens=False),
         )

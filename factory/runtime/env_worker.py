@@ -28,10 +28,11 @@ ACQUIRE_MOST = 16
 @ray.remote(num_cpus=0)
 class EnvWorkerActor(Placed):
     """Hosts a gateway and runs environment episodes against it, feeding groups to the buffer.
-    `model`: a DirBundle or a path on this node (the tokenizer is read from it)."""
+    `model`: a DirBundle or a path on this node (the tokenizer is read from it). `routing`: ask the
+    engines for each sampled token's experts (routing replay, `factory.model.routing.wants_replay`)."""
 
     def __init__(self, model: str | DirBundle, environment, rollout, engines: list, buffer, failures=None,
-                 deadlines=None, owner: str = "w0", verifiers: Sequence[Mapping] = ()):
+                 deadlines=None, owner: str = "w0", verifiers: Sequence[Mapping] = (), routing: bool = False):
         from factory.support.lean_imports import lean_transformers
 
         lean_transformers()
@@ -48,7 +49,7 @@ class EnvWorkerActor(Placed):
         tokenizer = load_tokenizer(local_dir(model, "env worker tokenizer"))  # without torch: ~4 CPU-s a run
         defaults = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                                   top_p=rollout.top_p, top_k=rollout.top_k, min_new_tokens=rollout.min_new_tokens,
-                                  support_k=support_k(rollout))
+                                  support_k=support_k(rollout), return_routing=routing)
         deadlines = deadlines or DeadlinesSection()
         self.engines = [RemoteEngine(e, deadlines.engine_call_s) for e in engines]
         self.gateway = Gateway(tokenizer, self.engines, defaults, seed=rollout.seed)

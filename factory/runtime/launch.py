@@ -12,6 +12,8 @@ from typing import Any
 
 import ray
 
+from factory.core.registries import ENGINES
+from factory.model.routing import wants_replay
 from factory.recipe import Recipe
 from factory.recording.outage import first_line
 from factory.recording.recorder import RunRecorder
@@ -98,8 +100,9 @@ class Launch:
     """Makes the run's actors, each placed by `recipe.placement` and added to `created` (killed if the
     run fails). `policy`: the base policy's DirBundle in the object store."""
 
-    def __init__(self, recipe: Recipe, run_dir: Path, policy, created: _Created):
+    def __init__(self, recipe: Recipe, run_dir: Path, policy, created: _Created, routing: bool = False):
         self.recipe, self.run_dir, self.policy, self.created = recipe, run_dir, policy, created
+        self.routing = routing  # the env workers ask the engines for each sampled token's experts
         self.startup_s = recipe.rollout.startup_timeout_s + 60
 
     def _made(self, actor):
@@ -126,7 +129,7 @@ class Launch:
         recipe = self.recipe
         new = self._made(placed(EnvWorkerActor, recipe.placement.env_worker).remote(
             a.policy, recipe.environment, recipe.rollout, a.engines, a.buffer, recipe.failures, recipe.deadlines,
-            owner, a.verifiers))
+            owner, a.verifiers, self.routing))
         if start:
             ray.get(new.start.remote(), timeout=self.startup_s)
         return new
@@ -156,7 +159,11 @@ def start_actors(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Pat
                     env_workers=recipe.environment.workers, scorer=bool(recipe.algorithm.distill.teacher),
                     trainer_ranks=recipe.train.ranks)
     # every role gets the policy over the network: no node may assume another's disk
-    make = Launch(recipe, run_dir, ray.put(DirBundle.of(policy, "policy", exclude=("trainer.pt",))), created)
+    routing = wants_replay(recipe, policy)
+    if routing and not ENGINES[recipe.rollout.engine].routed_experts:  # a model.path MoE (a built one fails the recipe)
+        raise ValueError(f"{policy} is a mixture-of-experts policy and rollout.engine={recipe.rollout.engine} cannot "
+                         "report the experts it routed each token to; set algorithm.routing_replay: off or use vllm")
+    make = Launch(recipe, run_dir, ray.put(DirBundle.of(policy, "policy", exclude=("trainer.pt",))), created, routing)
     own_engines = engines is None
     if own_engines:
         engines = [make.engine(i) for i in range(len(engine_urls(recipe)))]

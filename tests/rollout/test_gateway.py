@@ -118,7 +118,7 @@ def test_routing_stays_aligned_with_completion_ids_across_turns(tokenizer):
 
     plain = Gateway(tokenizer, [ScriptedEngine([first])], SamplingParams(max_new_tokens=8))
     asyncio.run(plain.chat("p", {"messages": convo[:1]}))
-    assert plain.finish("p", sample_id="p", group_id="g", task_id="t", reward=0.0, env="x").routed_experts is None
+    assert plain.finish("p", sample_id="p", group_id="g", task_id="t", reward=0.0, env="x").routed_experts == []
     with pytest.raises(ValueError, match="routed_experts has 1 entries"):
         dataclasses.replace(sample, routed_experts=[[]])
 
