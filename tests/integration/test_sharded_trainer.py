@@ -1,5 +1,6 @@
-"""FSDP2 trainer ranks on Ray (gloo on CPU): two ranks train like one (the Llama and the Qwen3-MoE), their sharded checkpoint resumes
-on a different number of ranks, and a whole run with two ranks trains on the session's vLLM server."""
+"""FSDP2 trainer ranks on Ray (gloo on CPU): two ranks train like one (the Llama and the Qwen3-MoE), their
+sharded checkpoint resumes on a different number of ranks, and a whole run with two ranks trains on the
+session's vLLM server."""
 
 from __future__ import annotations
 
