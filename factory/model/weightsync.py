@@ -327,8 +327,8 @@ class PackedWeightLoader:
     re-packed) and layers without a quant method (norms: loaded in place). Every other layer that owns
     parameters (quantized linears, MoE experts, attention with scales, conv weights, a linear without
     reload metadata) falls back, that layer alone, to vLLM's layerwise reload
-    (`initialize_layerwise_reload` / `finalize_layerwise_reload` on the layer); `fallback_layers`
-    names them."""
+    (`initialize_layerwise_reload` / `finalize_layerwise_reload` on the layer), after which an MoE
+    layer's experts are pre-packed again (`reprepare_experts`); `fallback_layers` names them."""
 
     def __init__(self, model: torch.nn.Module, model_config: Any):
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
