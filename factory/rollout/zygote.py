@@ -64,7 +64,8 @@ _PREFIX = "factory-vllm-zygote-"
 _VLLM_PRIME = (
     "vllm.v1.engine.core", "vllm.v1.engine.async_llm", "vllm.v1.engine.core_client",
     "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.executor.uniproc_executor",
-    "vllm.model_executor.models.llama", "vllm.model_executor.models.qwen2",
+    "vllm.model_executor.models.llama", "vllm.model_executor.models.qwen2", "vllm.model_executor.models.qwen3",
+    "vllm.model_executor.models.qwen3_moe",
     "vllm.model_executor.model_loader.default_loader", "vllm.v1.attention.backends.cpu_attn",
     "vllm.v1.sample.sampler", "vllm.entrypoints.openai.completion.serving",
     "vllm.entrypoints.openai.chat_completion.serving", "vllm.lora.model_manager",

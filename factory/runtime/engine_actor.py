@@ -60,9 +60,9 @@ class EngineActor(Placed):
                 results[i] = dead
         return results
 
-    async def weight_checksum(self, name: str) -> float:
-        """Sum (in float32) of one parameter as the engine holds it (vLLM; tests check an update is exact)."""
-        return await self.engine.weight_checksum(name)
+    async def weight_checksum(self, name: str, accumulate: str = "float32") -> float:
+        """Sum (in `accumulate`) of one parameter as the engine holds it (vLLM; tests check an update is exact)."""
+        return await self.engine.weight_checksum(name, accumulate)
 
     async def set_partial_rollout(self, mode: str) -> None:
         """Switch what happens to in-flight requests at an update (a shared engine serves many runs)."""

@@ -139,12 +139,12 @@ class TrainerActor(Placed):
     def logprobs(self, samples, bf16: bool = False) -> list[list[float]]:
         return self.trainer.logprobs(samples, bf16)
 
-    def weight_checksum(self, name: str, dtype: str) -> float:
-        """Sum (in float32) of one weight rounded to `dtype`: what an engine serving that dtype must hold."""
+    def weight_checksum(self, name: str, dtype: str, accumulate: str = "float32") -> float:
+        """Sum (in `accumulate`) of one weight rounded to `dtype`: what an engine serving that dtype must hold."""
         from factory.model.weightsync import DTYPES
 
         weight = next(t for n, t in self.trainer.weight_items() if n == name)  # every rank stops at the same name
-        return float(weight.to(DTYPES[dtype]).float().sum())
+        return float(weight.to(DTYPES[dtype]).to(DTYPES[accumulate]).sum())
 
     def checkpoint(self, extra: dict) -> DirBundle:
         """A checkpoint (see Trainer.save_checkpoint) as a bundle — this rank's part of it when there

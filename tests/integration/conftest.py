@@ -1,6 +1,7 @@
 """Session-wide real stack for integration tests: one tiny warm-started policy, one local Ray,
 one vLLM server (as an EngineActor) shared by every test that needs an engine. The Qwen2-style
-policy (recipes/qwen2_tiny.yaml) has its own server, for the module that tests it."""
+policy (recipes/qwen2_tiny.yaml) has its own server, for the module that tests it; so do the Qwen3 and
+Qwen3-MoE policies (test_qwen3.py)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,23 @@ def small_recipe(*extra: str):
 def qwen2_recipe(*extra: str):
     """recipes/qwen2_tiny.yaml at the same small size (warm start, batch shape) as `small_recipe`."""
     return load_recipe(REPO / "recipes" / "qwen2_tiny.yaml", TEST_OVERRIDES + list(extra))
+
+
+def qwen3_recipe(*extra: str):
+    """The dense Qwen3 (q/k RMSNorm, no biases, tied): recipes/qwen2_tiny.yaml's shapes and sizes as
+    `qwen2_recipe`, built as architecture qwen3."""
+    return qwen2_recipe("model.architecture=qwen3", *extra)
+
+
+# The MoE policy is the one test_shipped_recipes.py warm-starts for recipes/moe_tiny.yaml (its own
+# model and data, 30 SFT updates): one build for both (~25 s on 2 cores; the MoE's warm start costs
+# ~3x the dense one's per update). Batch shape and engine settings as TEST_OVERRIDES.
+MOE_OVERRIDES = ["model.sft_steps=30", *[o for o in TEST_OVERRIDES if not o.startswith(("model.", "data."))]]
+
+
+def moe_recipe(*extra: str):
+    """recipes/moe_tiny.yaml (Qwen3-MoE: 8 experts, top-2) with test_shipped_recipes.py's warm start."""
+    return load_recipe(REPO / "recipes" / "moe_tiny.yaml", MOE_OVERRIDES + list(extra))
 
 
 @pytest.fixture(scope="session")

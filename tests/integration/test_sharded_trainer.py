@@ -1,5 +1,6 @@
-"""FSDP2 trainer ranks on Ray (gloo on CPU): two ranks train like one, their sharded checkpoint resumes
-on a different number of ranks, and a whole run with two ranks trains on the session's vLLM server."""
+"""FSDP2 trainer ranks on Ray (gloo on CPU): two ranks train like one (the Llama and the Qwen3-MoE), their
+sharded checkpoint resumes on a different number of ranks, and a whole run with two ranks trains on the
+session's vLLM server."""
 
 from __future__ import annotations
 
@@ -120,3 +121,32 @@ def test_a_run_with_two_trainer_ranks_trains_on_vllm_and_resumes_on_one(engine, 
                   resume_from=checkpoint)
     steps = [json.loads(line) for line in (second / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [3] and steps[0]["train/version"] == 3
+
+
+def test_two_ranks_train_the_mixture_of_experts_like_one(ray_cluster, tmp_path):
+    """FSDP2 shards each Qwen3-MoE block whole, its fused experts ([E, 2I, H], [E, H, I]) split along the
+    experts: two ranks, each routing its own share of the batch, train like one. The two-rank save is
+    streamed with the experts fused, the one-rank save writes them per expert (transformers' format):
+    transformers loads both to the same model."""
+    from transformers import AutoModelForCausalLM
+
+    from factory.training.base_policy import ensure_base_policy
+
+    from .conftest import moe_recipe
+
+    policy = ensure_base_policy(moe_recipe())  # test_qwen3.py's and the shipped recipe's smoke test's
+    one, one_actors = start_trainer(str(policy), moe_recipe(*STEPS), None, None)
+    two, two_actors = start_trainer(str(policy), moe_recipe(*STEPS, "train.ranks=2"), None, None)
+    for k in range(2):
+        m1, m2 = ray.get([one.train_step.remote(batch(k)), two.train_step.remote(batch(k))])
+        assert m2["train/loss"] == pytest.approx(m1["train/loss"], abs=1e-5)
+        assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=1e-4)
+    (b1, _), (b2, _) = ray.get([one.export_weights.remote("disk"), two.export_weights.remote("disk")])
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in weights_of(b1)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in weights_of(b2)
+    x, y = ({n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(
+        b.write(tmp_path / name), dtype=torch.float32).named_parameters()} for name, b in (("one", b1), ("two", b2)))
+    assert x.keys() == y.keys() and "model.layers.3.mlp.experts.down_proj" in x
+    assert_trained_alike(x, y, steps=2)
+    for actor in one_actors + two_actors:
+        ray.kill(actor)

@@ -1,4 +1,4 @@
-"""The two tiny architectures' chat formats (factory/model/tiny.py) through everything that turns
+"""The tiny architectures' chat formats (factory/model/tiny.py) through everything that turns
 messages into ids: the template, the gateway's multi-turn ids, the SFT targets and the trainer's
 weight export. ChatML writes a newline after each <|im_end|>, which the engine never samples (it stops
 on <|im_end|>): the next turn's ids must carry it, so an episode's ids are the whole rendered
@@ -122,6 +122,59 @@ def test_qwen2_is_built_with_biases_gqa_and_tied_embeddings_and_exports_each_wei
 
     saved = load_file(str(trainer.save_hf(tmp_path / "out") / "model.safetensors"))
     assert set(saved) == set(names)
+
+
+def test_qwen3_is_built_with_qk_norms_no_biases_and_tied_embeddings(chatml, tmp_path):
+    section = ModelSection(architecture="qwen3", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                           intermediate_size=128)
+    model = build_model(chatml, section, tmp_path)
+    cfg = model.config
+    assert cfg.model_type == "qwen3" and cfg.tie_word_embeddings and cfg.head_dim == 32
+    names = dict(model.named_parameters())
+    assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"} <= set(names)
+    assert not any(n.endswith(".bias") for n in names)
+    assert model.get_output_embeddings().weight is names["model.embed_tokens.weight"]
+
+
+def test_qwen3_moe_keeps_experts_fused_saves_them_per_expert_and_loads_either(chatml, tmp_path):
+    """transformers trains the experts fused ([E, 2I, H] and [E, H, I]); save_pretrained writes them per
+    expert, the trainer's streamed save (ranks > 1, LoRA) fused: transformers loads both back alike."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from factory.training.trainer import save_hf_streaming
+
+    section = ModelSection(architecture="qwen3_moe", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                           intermediate_size=128, num_experts=4, experts_per_token=2)
+    assert section.expert_width == 64
+    model = build_model(chatml, section, tmp_path / "built")
+    cfg = model.config
+    assert cfg.model_type == "qwen3_moe" and not cfg.tie_word_embeddings and not cfg.output_router_logits
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 64)
+    assert cfg.norm_topk_prob and cfg.decoder_sparse_step == 1 and cfg.mlp_only_layers == []
+    names = dict(model.named_parameters())
+    assert names["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 128, 64)
+    assert names["model.layers.0.mlp.experts.down_proj"].shape == (4, 64, 64)
+    assert names["model.layers.0.mlp.gate.weight"].shape == (4, 64)
+    saved = load_file(str(tmp_path / "built" / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in saved and not any(".experts.gate_up" in n for n in saved)
+    assert torch.equal(saved["model.layers.1.mlp.experts.3.up_proj.weight"],
+                       names["model.layers.1.mlp.experts.gate_up_proj"][3, 64:])
+    save_hf_streaming(model.state_dict().items(), tmp_path / "fused", model.config)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(str(tmp_path / "fused" / "model.safetensors"))
+    for where in ("built", "fused"):
+        back = dict(AutoModelForCausalLM.from_pretrained(tmp_path / where, dtype=torch.float32).named_parameters())
+        assert back.keys() == names.keys() and all(torch.equal(back[n], names[n]) for n in names), where
+
+
+@pytest.mark.parametrize("fields, error", [
+    (dict(architecture="qwen3_moe", num_experts=2, experts_per_token=4), "experts_per_token: 4 must not exceed"),
+    (dict(architecture="qwen3", num_experts=4), "num_experts: only meaningful for architecture qwen3_moe"),
+])
+def test_expert_fields_are_checked(fields, error):
+    with pytest.raises(ValueError, match=error):
+        ModelSection(**fields)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
