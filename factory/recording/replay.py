@@ -129,7 +129,7 @@ def replay(run_id: str, catalog=None, namespace: str = NAMESPACE, checkpoint: Pa
     """Retrain `run_id` from its base policy on its recorded batches; compare with `checkpoint` (default:
     the run's checkpoint at the last step replayed). `out_dir`: save the replayed policy there."""
     import torch
-    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     from factory.lake.catalog import open_catalog
     from factory.recording.lineage import policy_fingerprint
@@ -167,11 +167,13 @@ def replay(run_id: str, catalog=None, namespace: str = NAMESPACE, checkpoint: Pa
     checkpoint = checkpoint or final_checkpoint(run_id, result.steps, catalog, namespace)
     if checkpoint is not None and result.steps:
         result.checkpoint = str(checkpoint)
-        saved = load_file(str(Path(checkpoint) / "model.safetensors"))
+        # loaded as transformers loads it: a mixture of experts' per-expert tensors become the trainer's fused
+        # ones, and a sharded checkpoint's files are read through their index
+        saved = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
         replayed = trainer.named_weights()
-        diffs = [float((replayed[name].float() - w.float()).abs().max()) for name, w in saved.items()]
+        diffs = [float((w.float() - saved[name].float()).abs().max()) for name, w in replayed.items()]
         result.max_abs_diff = max(diffs)
-        result.bitwise = all(torch.equal(replayed[name], w) for name, w in saved.items())
+        result.bitwise = all(torch.equal(w, saved[name]) for name, w in replayed.items())
     return result
 
 

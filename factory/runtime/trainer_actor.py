@@ -136,8 +136,8 @@ class TrainerActor(Placed):
     def train_step(self, batch: Batch) -> dict[str, float]:
         return self.trainer.train_step(batch)
 
-    def logprobs(self, samples, bf16: bool = False) -> list[list[float]]:
-        return self.trainer.logprobs(samples, bf16)
+    def logprobs(self, samples, bf16: bool = False, replay: bool = True) -> list[list[float]]:
+        return self.trainer.logprobs(samples, bf16, replay)
 
     def weight_checksum(self, name: str, dtype: str, accumulate: str = "float32") -> float:
         """Sum (in `accumulate`) of one weight rounded to `dtype`: what an engine serving that dtype must hold."""

@@ -21,12 +21,13 @@ import ray
 import torch
 
 from factory.core.types import Batch, Group, Task
+from factory.cli import main
 from factory.run import connect_broadcast, publish_weights, run
 from factory.runtime.actors import TrainerActor
 from factory.runtime.transfer import DirBundle
 
 from .conftest import moe_recipe, qwen3_recipe, served
-from .test_weight_sync import UNPACKED, check_against_bf16, diffs, moves, sample_engine
+from .test_weight_sync import UNPACKED, check_against_bf16, check_bf16_gap, diffs, moves, sample_engine
 
 QUIET = ["eval.before=false", "eval.after=false", "tracking.enabled=false"]
 QUESTION = "Calculate 12 + 34."
@@ -82,14 +83,22 @@ def checkpoint_holds(engine, checkpoint, names, experts: bool) -> None:
         assert torch.equal(fused[5, :352], saved["model.layers.0.mlp.experts.5.gate_proj.weight"])
 
 
-def run_and_resume(recipe_of, engine, tmp_path, names, experts: bool) -> None:
-    """Two steps (broadcast sync, a checkpoint each step), then the checkpoint into the engine by disk, then a
-    run resumed from it for a third step with disk sync."""
-    first = tmp_path / "run"
-    results = run(recipe_of("train.steps=2", "train.checkpoint_every=1", *QUIET), first, engines=[engine])
+def run_and_resume(recipe_of, engine, tmp_path, names, experts: bool, capsys) -> None:
+    """Two steps (broadcast sync, a checkpoint each step, the lake on), replayed from the lake bit for bit;
+    then the checkpoint into the engine by disk, then a run resumed from it for a third step with disk sync."""
+    first = tmp_path / f"{tmp_path.name}-run"
+    results = run(recipe_of("train.steps=2", "train.checkpoint_every=1", "lake.enabled=true", *QUIET), first,
+                  engines=[engine])
     assert results["steps"] == 2 and results["samples_trained"] > 0
     rows = [json.loads(line) for line in (first / "samples.jsonl").read_text().splitlines()]
     assert all(r["prompt_text"].startswith("<|im_start|>user\n") for r in rows)
+    # a mixture of experts replays its routes by default: every trained token carries the engine's experts
+    assert all(len(r["routed_experts"]) == len(r["completion_ids"]) if experts else not r["routed_experts"] for r in rows)
+    steps = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
+    assert all(("train/router_agreement" in m) == experts for m in steps)
+    # the lake holds the routes: a replay from it retrains the run bit for bit
+    assert main(["replay", first.name]) == 0
+    assert "weights: bitwise identical to" in capsys.readouterr().out
     checkpoint = first / "checkpoints" / "step-000002"
     checkpoint_holds(engine, checkpoint, names, experts)  # the broadcast of the last step
     ray.get(engine.update.remote(5, "disk", DirBundle.of(checkpoint, "checkpoint")))  # vLLM loads it from disk too
@@ -103,7 +112,7 @@ def run_and_resume(recipe_of, engine, tmp_path, names, experts: bool) -> None:
     checkpoint_holds(engine, second / "checkpoints" / "step-000003", names, experts)
 
 
-def test_qwen3_syncs_exactly_matches_the_trainer_and_trains_and_resumes(ray_cluster, tmp_path_factory):
+def test_qwen3_syncs_exactly_matches_the_trainer_and_trains_and_resumes(ray_cluster, tmp_path_factory, capsys):
     from transformers import AutoConfig, AutoTokenizer
 
     from factory.training.base_policy import ensure_base_policy
@@ -130,10 +139,11 @@ def test_qwen3_syncs_exactly_matches_the_trainer_and_trains_and_resumes(ray_clus
         assert all(v == 2 for s in after for v in s.versions)
         check_against_bf16(after, trainer)
         ray.kill(trainer)
-        run_and_resume(qwen3_recipe, engine, tmp_path_factory.mktemp("qwen3-runs"), QWEN3_UNPACKED, experts=False)
+        run_and_resume(qwen3_recipe, engine, tmp_path_factory.mktemp("qwen3-runs"), QWEN3_UNPACKED, False, capsys)
 
 
-def test_qwen3_moe_syncs_its_experts_exactly_trains_and_resumes(ray_cluster, tmp_path_factory):
+def test_qwen3_moe_replays_its_routes_syncs_its_experts_exactly_trains_and_resumes(ray_cluster, tmp_path_factory,
+                                                                                    capsys):
     from transformers import AutoConfig, AutoTokenizer
 
     from factory.training.base_policy import ensure_base_policy
@@ -151,24 +161,35 @@ def test_qwen3_moe_syncs_its_experts_exactly_trains_and_resumes(ray_cluster, tmp
         connect_broadcast([engine], trainer)
         publish_weights([engine], trainer, 0, "broadcast")
         check_exact(engine, trainer, MOE_UNPACKED, EXPERTS)
-        gaps = []
+        replayed, own, touched = [], [], []
         for version, mode in [(1, "broadcast"), (2, "disk"), (3, "broadcast")]:
-            samples = sample_engine(engine, tokenizer, QUESTION, 32, f"moe-{mode}-{version}")
-            fp32, bf16 = ray.get([trainer.logprobs.remote(samples), trainer.logprobs.remote(samples, True)])
+            samples = sample_engine(engine, tokenizer, QUESTION, 32, f"moe-{mode}-{version}", 16, routing=True)
+            assert all(len(s.routed_experts) == len(s.completion_ids) > 0 for s in samples)
+            fp32, bf16, unrouted = ray.get([trainer.logprobs.remote(samples), trainer.logprobs.remote(samples, True),
+                                            trainer.logprobs.remote(samples, False, False)])
             gap, move = diffs(samples, fp32), moves(fp32, bf16)
-            gaps.append(gap)
+            # with routing replay the MoE is held to the dense model's bound
+            check_bf16_gap(gap, move, f"qwen3_moe v{version - 1} with routing replay")
+            replayed.append(gap)
+            own.append(diffs(samples, unrouted))
+            touched.append(moves(fp32, unrouted) > 1e-5)  # tokens whose logprob the engine's routes changed
             stale = diffs(samples, ray.get(frozen.logprobs.remote(samples)))
-            print(f"\nqwen3_moe v{version - 1} ({gap.numel()} tokens): engine vs trainer fp32 mean {gap.mean():.4f} "
-                  f"max {gap.max():.4f}; engine vs trainer bf16 copy mean {diffs(samples, bf16).mean():.4f}; "
-                  f"bf16 move mean {move.mean():.4f}; engine vs the base weights mean {stale.mean():.4f}")
+            print(f"\nqwen3_moe v{version - 1} ({gap.numel()} tokens): engine vs trainer, replayed: mean "
+                  f"{gap.mean():.4f} max {gap.max():.4f}; own routing: mean {own[-1].mean():.4f} max "
+                  f"{own[-1].max():.4f}; bf16 move mean {move.mean():.4f}; engine vs the base weights mean {stale.mean():.4f}")
             if version > 1:  # the engine computes with the synced weights, not the base ones (layout included)
                 assert stale.mean() > 3 * gap.mean(), (float(stale.mean()), float(gap.mean()))
-            train_once(trainer, samples, version - 1)
+            train_once(trainer, samples, version - 1)  # a step that replays the recorded routes
             publish_weights([engine], trainer, version, mode)
             check_exact(engine, trainer, MOE_UNPACKED, EXPERTS)
-        every = torch.cat(gaps)
-        print(f"qwen3_moe, no routing replay: engine vs trainer over {every.numel()} tokens: mean "
-              f"{every.mean():.4f} max {every.max():.4f}")
+        rep, mine, hit = torch.cat(replayed), torch.cat(own), torch.cat(touched)
+        print(f"qwen3_moe over {rep.numel()} tokens, {int(hit.sum())} moved by the engine's routes: engine vs trainer "
+              f"on those, replayed mean {rep[hit].mean():.4f} max {rep[hit].max():.4f}, own routing mean "
+              f"{mine[hit].mean():.4f} max {mine[hit].max():.4f}")
+        # the trainer's router chose other experts than the engine somewhere (bf16 flips near ties), and there
+        # replaying the engine's brings the trainer's logprobs closer to the engine's than its own routes do
+        assert hit.any(), "no token's routing differed between engine and trainer: replay was not exercised"
+        assert rep[hit].mean() < mine[hit].mean(), (float(rep[hit].mean()), float(mine[hit].mean()))
         ray.kill(trainer)
         ray.kill(frozen)
-        run_and_resume(moe_recipe, engine, tmp_path_factory.mktemp("moe-runs"), MOE_UNPACKED, experts=True)
+        run_and_resume(moe_recipe, engine, tmp_path_factory.mktemp("moe-runs"), MOE_UNPACKED, True, capsys)

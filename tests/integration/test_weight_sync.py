@@ -28,16 +28,19 @@ UNPACKED = ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.in
             "model.layers.1.post_attention_layernorm.weight")
 
 
-def sample_engine(engine, tokenizer, question: str, n: int, tag: str) -> list[Sample]:
-    """n completions of one chat prompt straight from the engine, as Samples."""
+def sample_engine(engine, tokenizer, question: str, n: int, tag: str, max_new_tokens: int = 8,
+                  routing: bool = False) -> list[Sample]:
+    """n completions of one chat prompt straight from the engine, as Samples (`routing`: with each
+    sampled token's experts, for a mixture-of-experts policy)."""
     from factory.model.tokens import encode_chat
 
     prompt = encode_chat(tokenizer, [{"role": "user", "content": question}])
-    sp = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=[tokenizer.eos_token_id])
+    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, stop_token_ids=[tokenizer.eos_token_id],
+                        return_routing=routing)
     gens = ray.get([engine.generate.remote(prompt, sp, f"{tag}-{i}") for i in range(n)])
     return [Sample(sample_id=f"{tag}-{i}", group_id=tag, task_id="t", prompt_ids=prompt,
                    completion_ids=g.token_ids, logprobs=g.logprobs, loss_mask=[1] * len(g.token_ids),
-                   versions=g.versions) for i, g in enumerate(gens)]
+                   versions=g.versions, routed_experts=g.routed_experts or []) for i, g in enumerate(gens)]
 
 
 def diffs(samples: list[Sample], reference: list[list[float]]) -> torch.Tensor:
