@@ -8,12 +8,15 @@ the body, are what a large vocabulary makes expensive).
      step, and the plain reference, three steps each.
   2. The new step alone at 16 x 1,024 (the old one would not fit in 24 GiB).
   3. 1 rank against 2 FSDP2 ranks (gloo) on the same batch.
-  4. A heavy-tailed mix of lengths: the new step (micro-batches grouped by length) against the plain
-     reference on the padded batch.
+  4. A heavy-tailed mix of lengths: the new step with packed rows (train.packing) and with micro-batches
+     grouped by length, against the plain reference on the padded batch (`--heavy-tailed`: this part
+     alone, written into the results file's `heavy_tailed` key).
 
 GPU (`--gpu`): the Qwen2.5-0.5B and -1.5B shapes (random init) at 16 to 64 samples of 1,024 tokens,
-the new step (bf16, activation checkpointing) against the plain reference: tokens/s, MFU (against
-790 TFLOP/s, a measured bf16 matrix rate of an H200) and peak memory. It needs only torch,
+the new step (bf16, activation checkpointing), the step on its defaults (`auto`: packing, chunk and
+checkpointing chosen from the measured memory, compiled blocks) and the plain reference, eager and with
+compiled decoder blocks: tokens/s, MFU (against 790 TFLOP/s, a measured bf16 matrix rate of an H200)
+and peak memory. The `auto` and compiled variants have not run yet (no GPU since they were added). It needs only torch,
 transformers and the project's pure-Python dependencies (no Ray, no vLLM). Its figures come from one H200
 (bench/results/trainer_scale_gpu*.json).
 
@@ -156,12 +159,14 @@ def variant_trainer(model: str, spec: dict, steps: int, overrides: list[str], ra
         out = trainer.train_step(batch)
         _sync(trainer.device)
         times.append(time.perf_counter() - t0)
+    settings = trainer.settings() if hasattr(trainer, "settings") else {}
     return {"step_s": times, "loss": out["train/loss"], "padding_share": out.get("train/padding_share"),
-            **warm}
+            "micro_batches": out.get("train/micro_batches"), **({"settings": settings} if settings else {}), **warm}
 
 
-def variant_plain(model: str, spec: dict, steps: int, device: str = "cpu") -> dict:
-    """The plain reference step (see the module docstring)."""
+def variant_plain(model: str, spec: dict, steps: int, device: str = "cpu", compiled: bool = False) -> dict:
+    """The plain reference step (see the module docstring); `compiled`: each decoder block
+    torch.compile'd with dynamic shapes (the first step pays the compile)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -173,6 +178,9 @@ def variant_plain(model: str, spec: dict, steps: int, device: str = "cpu") -> di
     gpu = device == "cuda"
     if gpu:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compiled:
+        for block in m.model.layers:
+            block.compile(dynamic=True)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=gpu or None)
     batch = make_batch(spec)
     t = to_device(pad_samples(batch.samples, 0), torch.device(device))
@@ -234,8 +242,8 @@ def child(args) -> None:
     """One variant in this process; prints its result as JSON on the last line."""
     spec = json.loads(args.spec)
     overrides = json.loads(args.overrides)
-    if args.child == "plain":
-        res = variant_plain(args.model, spec, args.steps, args.device)
+    if args.child in ("plain", "plain_compiled"):
+        res = variant_plain(args.model, spec, args.steps, args.device, compiled=args.child == "plain_compiled")
     elif args.child == "ranks":
         import torch.multiprocessing as mp
 
@@ -308,17 +316,30 @@ def cpu(args) -> dict:
     one = run_variant("1 rank", "ranks", model, spec, world=1)
     two = run_variant("2 ranks", "ranks", model, spec, world=2)
     results["ranks"] = {"one": one, "two": two, "two_over_one_time": ratio(two, one, "s_per_step")}
-    lens = heavy_tailed(16, seed=1)
-    mix = batch_spec(16, 64, lens)
-    print(f"heavy-tailed completions {sorted(lens)}:", flush=True)
-    grouped = run_variant("new step, micro-batches 4,096", "trainer", model, mix, overrides=["train.micro_batch_tokens=4096"])
-    padded = run_variant("plain reference, padded batch", "plain", model, mix)
-    results["heavy_tailed"] = {"lengths": lens, "new": grouped, "plain": padded,
-                               "plain_over_new_time": ratio(padded, grouped, "s_per_step")}
+    results["heavy_tailed"] = heavy_tailed_cpu(model)
     return results
 
 
-GPU_NEW = ["train.device=cuda", "train.precision=bf16", "train.activation_checkpointing=true"]  # the trainer's GPU step
+def heavy_tailed_cpu(model: Path) -> dict:
+    """16 samples of 64 prompt tokens and heavy-tailed completions, a 4,096-token budget: packed rows,
+    micro-batches grouped by length, and the plain reference on the padded batch."""
+    lens = heavy_tailed(16, seed=1)
+    mix = batch_spec(16, 64, lens)
+    print(f"heavy-tailed completions {sorted(lens)}:", flush=True)
+    budget = "train.micro_batch_tokens=4096"
+    packed = run_variant("new step, packed rows of 4,096", "trainer", model, mix, overrides=[budget, "train.packing=true"])
+    grouped = run_variant("new step, grouped micro-batches 4,096", "trainer", model, mix,
+                          overrides=[budget, "train.packing=false"])
+    padded = run_variant("plain reference, padded batch", "plain", model, mix)
+    return {"lengths": lens, "packed": packed, "new": grouped, "plain": padded,
+            "plain_over_new_time": ratio(padded, grouped, "s_per_step"),
+            "packed_over_grouped_time": ratio(packed, grouped, "s_per_step"),
+            "plain_over_packed_time": ratio(padded, packed, "s_per_step")}
+
+
+GPU_NEW = ["train.device=cuda", "train.precision=bf16", "train.activation_checkpointing=true",
+           "train.packing=false", "train.compile=false", "train.logprob_chunk_tokens=512"]  # the lean step as first measured
+GPU_AUTO = ["train.device=cuda"]  # the defaults: auto precision, packing, chunk, checkpointing and compile
 
 
 class Lease:
@@ -359,12 +380,18 @@ def gpu(args, out: Path) -> dict:
         params = _param_count(model)
         spec = batch_spec(n, 256, 768)
         new = run_variant(f"{shape} {n}x1024 new", "trainer", model, spec, device="cuda", overrides=GPU_NEW)
+        auto = run_variant(f"{shape} {n}x1024 defaults (auto)", "trainer", model, spec, device="cuda",
+                           overrides=GPU_AUTO)
         plain = run_variant(f"{shape} {n}x1024 plain", "plain", model, spec, device="cuda")
-        for r in (new, plain):
+        compiled = run_variant(f"{shape} {n}x1024 plain, compiled blocks", "plain_compiled", model, spec, device="cuda")
+        for r in (new, auto, plain, compiled):
             if "tokens_per_s" in r:
                 r["mfu"] = 6 * params * r["tokens_per_s"] / (PEAK_TFLOPS * 1e12)
-        lease.results["runs"][f"{shape}x{n}"] = {"params": params, "new": new, "plain": plain,
+        lease.results["runs"][f"{shape}x{n}"] = {"params": params, "new": new, "auto": auto, "plain": plain,
+                                                 "plain_compiled": compiled,
                                                  "new_over_plain_tokens_per_s": ratio(new, plain, "tokens_per_s"),
+                                                 "auto_over_plain_tokens_per_s": ratio(auto, plain, "tokens_per_s"),
+                                                 "auto_over_compiled_tokens_per_s": ratio(auto, compiled, "tokens_per_s"),
                                                  "new_over_plain_peak": ratio(new, plain, "peak_gib")}
         lease.save()
     if lease.begins("heavy_tailed"):
@@ -467,11 +494,12 @@ def plot(results: dict, out: Path) -> None:
 
     rows = [("8x512 old", results["8x512"]["old"]), ("8x512 new", results["8x512"]["new"]),
             ("8x512 plain", results["8x512"]["plain"]), ("16x1024 new", results["16x1024"]["new"]),
-            ("tailed new", results["heavy_tailed"]["new"]), ("tailed plain", results["heavy_tailed"]["plain"])]
+            ("tailed packed", results["heavy_tailed"].get("packed", {})),
+            ("tailed grouped", results["heavy_tailed"]["new"]), ("tailed plain", results["heavy_tailed"]["plain"])]
     rows = [(n, r) for n, r in rows if "s_per_step" in r]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((axes[0], "s_per_step", "seconds per step"), (axes[1], "peak_gib", "peak memory (GiB)")):
-        colours = ["tab:grey" if "old" in n else "tab:blue" if "new" in n else "tab:orange" for n, _ in rows]
+        colours = ["tab:grey" if "old" in n else "tab:orange" if "plain" in n else "tab:blue" for n, _ in rows]
         ax.bar([n for n, _ in rows], [r[key] for _, r in rows], color=colours)
         ax.set_title(label)
         ax.tick_params(axis="x", rotation=30)
@@ -493,7 +521,7 @@ def _param_count(model: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true")
-    ap.add_argument("--child", choices=["trainer", "plain", "ranks"])
+    ap.add_argument("--child", choices=["trainer", "plain", "plain_compiled", "ranks"])
     ap.add_argument("--model")
     ap.add_argument("--spec")
     ap.add_argument("--steps", type=int, default=3)
@@ -503,6 +531,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--knobs", action="store_true", help="GPU: the new step's knobs against the plain step")
     ap.add_argument("--warm-up", action="store_true", help="the first step with and without the trainer's warm-up")
+    ap.add_argument("--heavy-tailed", action="store_true",
+                    help="CPU: only the heavy-tailed batch (packed, grouped, plain), into the results file's heavy_tailed")
     ap.add_argument("--budget-s", type=float, default=0.0, help="GPU: begin no run after this many seconds")
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from the results file (with --gpu: the GPU one)")
     args = ap.parse_args()
@@ -520,6 +550,12 @@ def main() -> None:
             return
         if args.gpu:
             gpu(args, out)
+        elif args.heavy_tailed:
+            results = json.loads(out.read_text()) if out.is_file() else {}
+            work = Path(tempfile.mkdtemp(prefix="trainer-scale-"))
+            results["heavy_tailed"] = heavy_tailed_cpu(build_model(work / "model", CPU_BODY))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results, indent=1))
         else:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(cpu(args), indent=1))

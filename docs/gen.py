@@ -407,12 +407,14 @@ BENCHES = [
     }),
     Bench("trainer_scale", "The trainer's memory and speed", [
         "python bench/trainer_scale.py", "python bench/trainer_scale.py --gpu",
-        "python bench/trainer_scale.py --knobs", "python bench/trainer_scale.py --gpu --warm-up"], {
+        "python bench/trainer_scale.py --heavy-tailed", "python bench/trainer_scale.py --knobs",
+        "python bench/trainer_scale.py --gpu --warm-up"], {
         "trainer_scale.json": [Table("*.*", [
             ("batch", key(0), None), ("step", key(1), None), ("s/step", "s_per_step", s), ("peak memory", "peak_gib", gib),
             ("tokens/s", "tokens_per_s", n)], keep=("8x512", "16x1024", "heavy_tailed", "ranks")),
             Table("", [("8 × 512: old / new peak memory", "8x512.old_over_new_peak", x),
-                       ("heavy-tailed: plain / new time", "heavy_tailed.plain_over_new_time", x),
+                       ("heavy-tailed: plain / new (grouped) time", "heavy_tailed.plain_over_new_time", x),
+                       ("heavy-tailed: packed / grouped time", "heavy_tailed.packed_over_grouped_time", x),
                        ("two ranks / one, time", "ranks.two_over_one_time", x)])],
         "trainer_scale_gpu.json": [Table("runs.*", [
             ("shape × batch", key(0), None), ("trainer step", "new.s_per_step", s), ("peak", "new.peak_gib", gib),

@@ -109,6 +109,9 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         version = restore(a, recipe, resume_from)
         start_env_workers(a)
         results: dict = {"run_dir": str(run_dir), "recipe": recipe.name, "policy": str(policy), "nodes": a.nodes()}
+        # what the trainer's auto settings became (after its warm-up, which chooses some of them on CUDA)
+        results["trainer"] = ray.get(a.trainer.settings.remote(), timeout=recipe.deadlines.train_step_s)
+        log.info("trainer: %s", trainer_settings_line(results["trainer"]))
         if before is not None:  # a rebuilt trainer's attempt: the run's start was evaluated already
             results["before"] = before
         elif recipe.eval.before:
@@ -329,6 +332,13 @@ def _stop(a: Actors, producing: list, record: RunRecorder, last_step: int) -> di
             "engine_versions": [m.get("rollout/engine_version") for m in engines],
             "threads": {"trainer": ray.get(a.trainer.threads.remote()),  # as resolved (auto) on their nodes
                         "engines": [m.get("rollout/engine_threads") for m in engines]}}
+
+
+def trainer_settings_line(settings: dict) -> str:
+    """One line of the trainer's resolved settings (`Trainer.settings`), the reasons last."""
+    shown = ", ".join(f"{k}={v}" for k, v in settings.items() if not k.endswith("_why"))
+    why = "; ".join(f"{k.removesuffix('_why')}: {v}" for k, v in settings.items() if k.endswith("_why"))
+    return f"{shown} ({why})" if why else shown
 
 
 class LoopClock:

@@ -63,15 +63,80 @@ def pad_samples(samples: list[Sample], pad_id: int) -> dict[str, Any]:
     return out
 
 
-def _body_and_head(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+def pack_tensors(tensors: dict[str, Any]) -> dict[str, Any]:
+    """`pad_samples`' tensors with the samples packed end to end into one row: `input_ids` [1, N]
+    (N: their tokens together, no padding), `position_ids` [1, N] restarting at 0 for each sample,
+    `sample_starts` [B] (each sample's first position in the row) and, where recorded, `routing`
+    [1, N, layers, k] packed the same way as the ids. `attention_mask` becomes [1, N] ones: it tells
+    the router hooks which positions are real, and a packed forward does not pass it to the model
+    (transformers 5 builds the block-diagonal causal mask from the restarting positions only when
+    no 2D mask is given). The completion-aligned [B, T] tensors, and so the loss, are unchanged."""
+    lens = tensors["attention_mask"].sum(1)
+    keep = tensors["attention_mask"].bool()
+    starts = torch.cumsum(lens, 0) - lens
+    out = dict(tensors)
+    if "completion_lens" not in out:  # tensors built by hand: every step up to the end of the row
+        out["completion_lens"] = lens - tensors["prompt_lens"]
+    out["input_ids"] = tensors["input_ids"][keep][None]
+    out["attention_mask"] = torch.ones_like(out["input_ids"])
+    out["position_ids"] = torch.cat([torch.arange(int(n)) for n in lens])[None].to(out["input_ids"].device)
+    out["sample_starts"] = starts
+    if "routing" in tensors:
+        out["routing"] = tensors["routing"][keep][None]
+    return out
+
+
+def packing_unsupported(model) -> str | None:
+    """Why `model` cannot take packed rows (None: it can). Checked, not assumed from a name: two
+    short sequences packed into one row with restarting positions must give the second one's hidden
+    states as it gives them alone (a model whose attention ignores the restarting positions mixes
+    the two, a model without a separate body gives no hidden states to gather)."""
+    body = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    if body is None or not callable(getattr(model, "get_output_embeddings", None)):
+        return f"{type(model).__name__} has no separate decoder body and output layer"
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    if vocab < 2:
+        return f"{type(model).__name__} has no vocabulary size in its config"
+    first, second = 5, 7
+    ids = torch.randint(0, vocab, (1, first + second), generator=torch.Generator().manual_seed(0))
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    pos = torch.cat([torch.arange(first), torch.arange(second)])[None].to(device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            alone = body(input_ids=ids[:, first:], use_cache=False).last_hidden_state
+            packed = body(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[:, first:]
+    except Exception as e:  # noqa: BLE001 - any failure means: not packable, said in one line
+        return f"{type(model).__name__} failed on a packed row ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+    finally:
+        model.train(training)
+    gap = float((alone.float() - packed.float()).abs().max())
+    scale = float(alone.float().abs().max()) or 1.0
+    if gap > 1e-3 * scale:
+        attn = getattr(model.config, "_attn_implementation", None)
+        return (f"{type(model).__name__} (attention {attn}) does not confine attention to each packed sample: "
+                f"a packed sample's hidden states differ from its own by {gap:.3g}")
+    return None
+
+
+def _body_and_head(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   position_ids: torch.Tensor | None = None):
     """(the last hidden states [B, L, H], the output layer) of a Hugging Face causal LM (PEFT-wrapped
-    or not); a module without a separate body (a test's logit table) gives its logits and identity."""
+    or not); a module without a separate body (a test's logit table) gives its logits and identity.
+    `position_ids`: a packed row's restarting positions (then no attention mask is passed; see
+    `pack_tensors`)."""
     get_body = getattr(model, "get_decoder", None)
     get_head = getattr(model, "get_output_embeddings", None)
     body = get_body() if get_body is not None else None
     head = get_head() if get_head is not None else None
     if body is None or head is None:
+        if position_ids is not None:
+            raise ValueError(f"{type(model).__name__} cannot take packed rows (no separate body and output layer)")
         return model(input_ids=input_ids, attention_mask=attention_mask).logits, None
+    if position_ids is not None:
+        return body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state, head
     hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     return hidden, head
 
@@ -119,8 +184,10 @@ def completion_logprobs(model, tensors: dict[str, Any], temperature: float = 1.0
     gradients on, each chunk is checkpointed, so at most one chunk's [chunk, V] logits live at once.
     """
     ids = tensors["input_ids"]
-    hidden, head = _body_and_head(model, ids, tensors["attention_mask"])
-    n, t_max = ids.shape[0], tensors["t_max"]
+    starts = tensors.get("sample_starts")  # packed (pack_tensors): every sample in row 0 from its start
+    hidden, head = _body_and_head(model, ids, tensors["attention_mask"],
+                                  tensors.get("position_ids") if starts is not None else None)
+    n, t_max = tensors["prompt_lens"].shape[0], tensors["t_max"]
     steps = torch.arange(t_max, device=ids.device)
     lens = tensors.get("completion_lens")
     if lens is None:  # callers that built tensors by hand: every step up to the end of the row
@@ -128,8 +195,13 @@ def completion_logprobs(model, tensors: dict[str, Any], temperature: float = 1.0
     rows, cols = (steps[None, :] < lens.to(ids.device)[:, None]).nonzero(as_tuple=True)
     # token j of the completion sits at position p+j and is predicted by the hidden state at p+j-1
     pos = tensors["prompt_lens"].to(ids.device)[rows] + cols - 1
-    states = hidden[rows, pos]  # [N, H]: the completion positions only
-    targets = ids[rows, pos + 1]
+    if starts is not None:
+        pos = pos + starts.to(ids.device)[rows]
+        rows_in = torch.zeros_like(rows)
+    else:
+        rows_in = rows
+    states = hidden[rows_in, pos]  # [N, H]: the completion positions only
+    targets = ids[rows_in, pos + 1]
     support = tensors.get("support")
     cand = support[rows, cols] if support is not None else None
     chunk = max(int(chunk_tokens), 1)

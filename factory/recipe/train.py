@@ -139,13 +139,23 @@ class TrainSection(Section):
         "cuda, fp32 on cpu (keeps resume, replay and reproducibility bitwise, and this CPU has no fast bf16)")
     activation_checkpointing: bool | Literal["auto"] = Field(
         "auto", description="recompute each decoder block in the backward pass instead of keeping its "
-        "activations; auto = on for cuda")
+        "activations; auto = off on cpu; on cuda decided after the warm-up pass measured the step's peak "
+        "memory (off where the device's memory allows, else on; cuda untested here: no GPU)")
     micro_batch_tokens: int = Field(
-        16384, ge=0, description="padded tokens (rows x longest row) per forward/backward; samples of similar "
-        "length share a micro-batch, gradients accumulate to the whole batch's update; 0 = the whole batch")
-    logprob_chunk_tokens: int = Field(
-        512, gt=0, description="completion tokens per chunk through the output layer (each chunk's logits "
-        "are recomputed in the backward pass; a [B, T, vocab] tensor never exists)")
+        16384, ge=0, description="tokens per forward/backward: with packing, a packed row's tokens; without, "
+        "padded tokens (rows x longest row), samples of similar length sharing a micro-batch; gradients "
+        "accumulate to the whole batch's update; 0 = the whole batch")
+    packing: bool | Literal["auto"] = Field(
+        "auto", description="pack samples end to end into rows of up to micro_batch_tokens, positions "
+        "restarting and attention confined to each sample (no padding); auto = on where the model's attention "
+        "is checked to support it (one line says why where it does not); true fails where it does not")
+    logprob_chunk_tokens: int | Literal["auto"] = Field(
+        "auto", description="completion tokens per chunk through the output layer (each chunk's logits "
+        "are recomputed in the backward pass; a [B, T, vocab] tensor never exists); auto = 512 on cpu, on cuda "
+        "the largest of 2048/1024/512 the measured step's memory allows (cuda untested here)")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each decoder block once, with dynamic sequence lengths (compile time "
+        "paid in the warm-up pass); auto = on for cuda (untested here: no GPU), off on cpu")
     warm_up: bool = Field(True, description="one forward and backward pass on a dummy batch of the step's size "
                           "while the engines start, so step 1 does not pay the first pass's one-time costs "
                           "and AdamW's state made (zero moments at step 0); the run trains bitwise as without it")
@@ -153,3 +163,10 @@ class TrainSection(Section):
                        "on cuda), each a Ray actor placed by placement.trainer")
     seed: int = Field(0, description="seeds the trainer's torch generator (adapter initialisation, dropout) and "
                       "the order in which training tasks are drawn")
+
+    @model_validator(mode="after")
+    def _auto_words(self) -> TrainSection:
+        chunk = self.logprob_chunk_tokens
+        if not isinstance(chunk, str) and chunk <= 0:
+            raise ValueError(f"logprob_chunk_tokens: {chunk} must be a positive number of tokens or auto")
+        return self

@@ -77,6 +77,10 @@ class TrainerActor(Placed):
     def threads(self) -> int:
         return self.trainer.threads
 
+    def settings(self) -> dict:
+        """What the trainer's auto settings became (`Trainer.settings`); queued behind the warm-up."""
+        return self.trainer.settings()
+
     def plan_json(self) -> str:
         from factory.model.weightsync import BucketPlan
 

@@ -59,8 +59,45 @@ def plan_micro_batches(lengths: list[int], ranks: int = 1, budget_tokens: int = 
     return plan
 
 
-def padding_share(plan: list[list[list[int]]], lengths: list[int]) -> float:
-    """Share of the token positions the forward passes compute that are padding."""
+def plan_packed_rows(lengths: list[int], ranks: int = 1, budget_tokens: int = 0) -> list[list[list[int]]]:
+    """Sample indices per rank, per packed row: `plan[r][m]` is rank r's m-th micro-batch, one row in
+    which its samples sit end to end (positions restarting per sample, attention confined to each).
+
+    Ranks get samples balanced by tokens as in `plan_micro_batches`. Within a rank, first-fit
+    decreasing: each sample, longest first, goes into the first row it still fits in (rows hold at most
+    `budget_tokens`; a sample longer than that gets a row of its own; budget 0: no limit, one row).
+    A row is as long as its samples together, so nothing is padding."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    shards: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for i in order:
+        r = min(range(ranks), key=lambda k: (loads[k], k))
+        shards[r].append(i)
+        loads[r] += lengths[i]
+    plan: list[list[list[int]]] = []
+    for shard in shards:
+        rows: list[list[int]] = []
+        fill: list[int] = []
+        for i in shard:
+            slot = next((k for k, used in enumerate(fill)
+                         if budget_tokens <= 0 or used + lengths[i] <= budget_tokens), None)
+            if slot is None:
+                rows.append([])
+                fill.append(0)
+                slot = len(rows) - 1
+            rows[slot].append(i)
+            fill[slot] += lengths[i]
+        plan.append(rows)
+    return plan
+
+
+def padding_share(plan: list[list[list[int]]], lengths: list[int], packed: bool = False) -> float:
+    """Share of the token positions the forward passes compute that are padding: a micro-batch
+    computes rows × its longest row, a packed row (`packed`) its samples' tokens and nothing more."""
+    if packed:
+        return 0.0
     computed = sum(len(mb) * max(lengths[i] for i in mb) for shard in plan for mb in shard if mb)
     real = sum(lengths[i] for shard in plan for mb in shard for i in mb)
     return 1.0 - real / computed if computed else 0.0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -39,18 +40,29 @@ from factory.algo import (
     policy_objective,
 )
 from factory.algo.losses import aggregation_denominator
-from factory.model.logprobs import completion_logprobs, pad_samples, to_device
+from factory.model.logprobs import completion_logprobs, pack_tensors, packing_unsupported, pad_samples, to_device
 from factory.model.routing import RoutingReplay
-from factory.training.parallel import all_reduce_sum, padding_share, plan_micro_batches, step_metrics_merge
+from factory.training.memory import SAFE_CHUNK, choose_memory_settings, resolve_compile
+from factory.training.parallel import (
+    TrainerSetupError,
+    all_reduce_sum,
+    padding_share,
+    plan_micro_batches,
+    plan_packed_rows,
+    step_metrics_merge,
+)
 from factory.core.types import Batch, Sample
 
 if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel
 
+log = logging.getLogger(__name__)
+
 
 # the tensors a forward pass reads (FSDP's mixed precision casts the floating inputs of the root's forward)
-FORWARD_KEYS = ("input_ids", "attention_mask", "prompt_lens", "completion_lens", "t_max", "support", "routing")
+FORWARD_KEYS = ("input_ids", "attention_mask", "prompt_lens", "completion_lens", "t_max", "support", "routing",
+                "position_ids", "sample_starts")
 
 
 class PolicyLogprobs(torch.nn.Module):
@@ -119,23 +131,31 @@ class Trainer:
             self.model = get_peft_model(self.model, LoraConfig(
                 r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=list(lc.target_modules),
                 bias="none", task_type="CAUSAL_LM"))
+        # auto on CUDA: on (safe) until the warm-up pass has measured the step's peak (`_choose_memory`)
         checkpointing = train.activation_checkpointing
         if checkpointing == "auto":
             checkpointing = self.device.type == "cuda"
         if checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.to(self.device).train()  # type: ignore[arg-type]  # transformers types .to as the unbound Module.to
+        self.packing, self.packing_why = self._resolve_packing(train.packing)
+        chunk = SAFE_CHUNK if train.logprob_chunk_tokens == "auto" else int(train.logprob_chunk_tokens)
+        # what the `auto` settings became, for the run's first lines and results.json (`settings`)
+        self.chosen: dict[str, Any] = {"packing": self.packing, "activation_checkpointing": bool(checkpointing),
+                                       "logprob_chunk_tokens": chunk}
+        if self.packing_why:
+            self.chosen["packing_why"] = self.packing_why
         # routing replay: on unless the recipe turns it off; it acts where the engine recorded experts
         replay = algorithm.routing_replay != "off"
         self.routing = RoutingReplay.install(self.model, replay, aux_loss=algorithm.router_aux_loss_coef > 0)
-        self.policy = PolicyLogprobs(self.model, rollout.temperature, train.logprob_chunk_tokens, self.routing)
+        self.policy = PolicyLogprobs(self.model, rollout.temperature, chunk, self.routing)
         self.ref_model = None
         self.ref_policy: PolicyLogprobs | None = None
         if algorithm.kl_coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             self.ref_model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to as the unbound Module.to
             self.ref_model.requires_grad_(False)
-            self.ref_policy = PolicyLogprobs(self.ref_model, rollout.temperature, train.logprob_chunk_tokens,
+            self.ref_policy = PolicyLogprobs(self.ref_model, rollout.temperature, chunk,
                                              RoutingReplay.install(self.ref_model, replay))
         if world_size > 1:
             from factory.training.parallel import parallelize
@@ -143,6 +163,9 @@ class Trainer:
             parallelize(self.policy, self.model, world_size, self.device.type, self.precision == "bf16")
             if self.ref_policy is not None:
                 parallelize(self.ref_policy, self.ref_model, world_size, self.device.type, self.precision == "bf16")
+        self.chosen["compile"] = resolve_compile(train.compile, self.device.type)
+        if self.chosen["compile"]:
+            self._compile_blocks()
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
                                            weight_decay=train.weight_decay, betas=tuple(train.betas),
                                            fused=self.device.type == "cuda" or None)
@@ -157,6 +180,78 @@ class Trainer:
                              f"rollout.max_new_tokens ({rollout.max_new_tokens})")
         self.version = 0
         self.busy_s = 0.0
+
+    def _resolve_packing(self, wanted: bool | str) -> tuple[bool, str | None]:
+        """train.packing: (on?, why not, where auto turned it off). Checked on the model itself
+        (`packing_unsupported`); `true` on a model that cannot is a one-line error."""
+        if wanted is False:
+            return False, None
+        why = packing_unsupported(self.model)
+        if why is None:
+            return True, None
+        if wanted is True:
+            raise TrainerSetupError(f"train.packing: {why}; set train.packing to false or auto")
+        log.warning("train.packing: off: %s", why)
+        return False, f"off: {why}"
+
+    def _compile_blocks(self) -> None:
+        """train.compile: each decoder block compiled once with dynamic sequence lengths (the first pass,
+        the warm-up's when it runs, pays the compile). Blocks only: the chunked output layer and the loss
+        stay eager, so a new batch shape recompiles nothing outside the blocks."""
+        from factory.training.parallel import decoder_blocks
+
+        for block in decoder_blocks(self.model):
+            block.compile(dynamic=True)
+
+    def settings(self) -> dict[str, Any]:
+        """What the trainer's `auto` settings became (packing and why not, output-layer chunk, activation
+        checkpointing, compiled blocks, and on CUDA why): the run's first lines and results.json say it."""
+        return dict(self.chosen)
+
+    def _apply_memory(self, chunk: int, checkpointing: bool) -> None:
+        for policy in (self.policy, self.ref_policy):
+            if policy is not None:
+                policy.chunk_tokens = chunk
+        if checkpointing != self.chosen["activation_checkpointing"]:
+            if checkpointing:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_disable()
+        self.chosen.update(logprob_chunk_tokens=chunk, activation_checkpointing=checkpointing)
+
+    def _memory_auto(self) -> bool:
+        cfg = self.train_cfg
+        return self.device.type == "cuda" and "auto" in (cfg.logprob_chunk_tokens, cfg.activation_checkpointing)
+
+    def _choose_memory(self, tensors: dict[str, Any]) -> None:
+        """CUDA, `auto` chunk or checkpointing: after the warm-up pass measured the step's peak under the
+        safe settings, the fastest settings `choose_memory_settings` predicts to fit, then one more pass
+        under them; out of memory there, the safe settings stay. Not run here (no GPU)."""
+        cfg = self.train_cfg
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        available = free + torch.cuda.memory_reserved(self.device)
+        config = getattr(self.model, "config", None)
+        pick = choose_memory_settings(
+            available, peak, tokens=int(tensors["input_ids"].numel()),
+            layers=int(getattr(config, "num_hidden_layers", 1)), hidden=int(getattr(config, "hidden_size", 1)),
+            vocab=int(getattr(config, "vocab_size", 1)), dtype_bytes=2 if self.precision == "bf16" else 4,
+            measured_chunk=int(self.policy.chunk_tokens),
+            want_checkpointing=None if cfg.activation_checkpointing == "auto" else bool(cfg.activation_checkpointing),
+            want_chunk=None if cfg.logprob_chunk_tokens == "auto" else int(cfg.logprob_chunk_tokens))
+        safe = (int(self.policy.chunk_tokens), bool(self.chosen["activation_checkpointing"]))
+        self.chosen["memory_why"] = pick.why
+        if (pick.logprob_chunk_tokens, pick.activation_checkpointing) == safe:
+            return
+        self._apply_memory(pick.logprob_chunk_tokens, pick.activation_checkpointing)
+        try:
+            self._forward(self.policy, tensors).sum().backward()
+        except torch.cuda.OutOfMemoryError:
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            self._apply_memory(*safe)
+            self.chosen["memory_why"] = f"{pick.why}; out of memory when tried: the safe settings kept"
+        self.chosen["peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
 
     def warm_up(self, prompt_tokens: int = 32) -> float:
         """One forward and backward pass on a dummy micro-batch of the run's size (its rows; a guessed
@@ -178,11 +273,22 @@ class Trainer:
         tensors = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "t_max": self.max_new_tokens,
                    "prompt_lens": torch.full((rows,), prompt_tokens),
                    "completion_lens": torch.full((rows,), self.max_new_tokens)}
+        if self.packing:  # the step's shape: its rows end to end in one row
+            tensors = pack_tensors(tensors)
+        tensors = to_device(tensors, self.device)
         rng = torch.random.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
         try:
-            self._forward(self.policy, to_device(tensors, self.device)).sum().backward()
+            measure = self._memory_auto()
+            if measure:  # the step's peak includes AdamW's state: made first, then the pass measured
+                self._allocate_optimizer_state()
+                self.optimizer.zero_grad(set_to_none=True)
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._forward(self.policy, tensors).sum().backward()
             self._allocate_optimizer_state()
+            if measure:
+                self.optimizer.zero_grad(set_to_none=True)
+                self._choose_memory(tensors)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             torch.random.set_rng_state(rng)
@@ -245,7 +351,10 @@ class Trainer:
                     probe: bool = False) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
         """The objective of one micro-batch, aggregated over it alone: (loss, metrics, mask kept).
         `probe`: also measure what routing replay saves (a step's first micro-batch)."""
-        tensors = to_device(pad_samples(samples, self.tokenizer.pad_token_id), self.device)
+        tensors = pad_samples(samples, self.tokenizer.pad_token_id)
+        if self.packing:  # one row, samples end to end; the [B, T] tensors the loss reads stay per sample
+            tensors = pack_tensors(tensors)
+        tensors = to_device(tensors, self.device)
         adv = adv.to(self.device)
         if any(s.teacher_logprobs for s in samples):  # graded by a teacher (scoring phase): distillation
             adv = distillation_advantages(adv, samples, tensors["old_logp"], tensors["mask"],
@@ -302,7 +411,8 @@ class Trainer:
         shaped = self.shaped_rewards(samples, torch.tensor([sum(s.loss_mask) for s in samples]))
         adv = self.advantages(batch, shaped)
         lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-        plan = plan_micro_batches(lengths, self.world_size, self.train_cfg.micro_batch_tokens)
+        planner = plan_packed_rows if self.packing else plan_micro_batches
+        plan = planner(lengths, self.world_size, self.train_cfg.micro_batch_tokens)
         mine, n_micro = plan[self.rank], max(len(p) for p in plan)
         plain = n_micro == 1 and self.world_size == 1
         self.optimizer.zero_grad(set_to_none=True)
@@ -348,7 +458,7 @@ class Trainer:
             "train/samples": float(len(samples)),
             "train/version": float(self.version),
             "train/micro_batches": float(n_micro),
-            "train/padding_share": padding_share(plan, lengths),
+            "train/padding_share": padding_share(plan, lengths, packed=self.packing),
             "rollout/reward_mean": sum(rewards) / len(rewards),
             "rollout/completion_len": sum(len(s.completion_ids) for s in samples) / len(samples),
             "staleness/mean": sum(staleness) / len(staleness),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from factory.algo.losses import AGGREGATIONS
-from factory.training.parallel import padding_share, plan_micro_batches, step_metrics_merge
+from factory.training.parallel import padding_share, plan_micro_batches, plan_packed_rows, step_metrics_merge
 from factory.recipe import recipe_from_dict
 from factory.core.types import Batch, Group, Sample, Task
 
@@ -94,7 +94,7 @@ def test_micro_batches_give_the_whole_batch_update(model_path, aggregation, extr
     """Token budget 40 splits the batch into several micro-batches; the accumulated gradient equals
     the whole batch's (before clipping, which scales both alike), for every registered aggregation,
     also when a correction drops tokens by the current policy's ratio."""
-    over = [f"algorithm.aggregation={aggregation}", "train.grad_clip=1e9", *extra]
+    over = [f"algorithm.aggregation={aggregation}", "train.grad_clip=1e9", "train.packing=false", *extra]
     whole = trainer_for(model_path, *over, "train.micro_batch_tokens=0")
     micro = trainer_for(model_path, *over, "train.micro_batch_tokens=40")
     batch = ragged_batch(1)
@@ -105,9 +105,114 @@ def test_micro_batches_give_the_whole_batch_update(model_path, aggregation, extr
         assert torch.allclose(x, y, atol=1e-6, rtol=1e-4), (x - y).abs().max()
 
 
+@pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
+@pytest.mark.parametrize("extra", [[], ICEPOP_KL], ids=["plain", "icepop+kl"])
+def test_packed_rows_give_the_unpacked_update(model_path, aggregation, extra):
+    """Packed rows of at most 40 tokens (several rows, several samples each, positions restarting per
+    sample) give the gradient, loss and kept tokens of the unpacked whole batch, for every aggregation,
+    also with a correction that drops tokens by the current policy's ratio and KL to a reference."""
+    over = [f"algorithm.aggregation={aggregation}", "train.grad_clip=1e9", *extra]
+    whole = trainer_for(model_path, *over, "train.micro_batch_tokens=0", "train.packing=false")
+    packed = trainer_for(model_path, *over, "train.micro_batch_tokens=40", "train.packing=true")
+    assert packed.packing and not whole.packing
+    batch = ragged_batch(1)
+    out_w, out_p = whole.train_step(batch), packed.train_step(batch)
+    a = [p.grad.clone() for p in whole.model.parameters()]
+    b = [p.grad.clone() for p in packed.model.parameters()]
+    assert out_p["train/micro_batches"] > 2  # several rows
+    assert out_p["train/micro_batches"] < sum(1 for _ in batch.samples)  # of several samples each
+    assert out_p["train/padding_share"] == 0.0 < out_w["train/padding_share"]
+    assert out_p["train/loss"] == pytest.approx(out_w["train/loss"], abs=1e-6)
+    assert out_p["train/tokens"] == out_w["train/tokens"]
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, atol=1e-6, rtol=1e-4), (x - y).abs().max()
+
+
+def test_packed_lora_step_gives_the_unpacked_update(model_path):
+    over = ["train.lora.enabled=true", "train.lora.rank=4", "rollout.weight_sync=lora", "train.grad_clip=1e9"]
+    grads = []
+    for packing in ("false", "true"):
+        trainer = trainer_for(model_path, *over, "train.micro_batch_tokens=40", f"train.packing={packing}")
+        with torch.no_grad():  # B starts at zero: give it values so the adapter's path carries gradient to A
+            torch.manual_seed(0)
+            for name, p in trainer.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.1)
+        trainer.train_step(ragged_batch(6))
+        grads.append([p.grad.clone() for p in trainer.model.parameters() if p.requires_grad])
+    assert any(g.abs().sum() > 0 for g in grads[0])
+    for x, y in zip(*grads):
+        assert torch.allclose(x, y, atol=1e-6, rtol=1e-4), (x - y).abs().max()
+
+
+def test_packed_logprobs_equal_the_padded_ones_and_the_probe_refuses_a_model_that_ignores_positions(model_path):
+    from factory.model.logprobs import completion_logprobs, pack_tensors, packing_unsupported, pad_samples
+
+    trainer = trainer_for(model_path)
+    assert trainer.packing and trainer.settings()["packing"] is True  # auto: the tiny Llama (sdpa) packs
+    tensors = pad_samples(ragged_batch().samples, 0)
+    packed = pack_tensors(tensors)
+    assert packed["input_ids"].shape == (1, int(tensors["attention_mask"].sum()))
+    assert packed["position_ids"][0, : int(tensors["attention_mask"][0].sum()) + 1].tolist()[-1] == 0  # restarts
+    lean = completion_logprobs(trainer.model, tensors, 0.7, chunk_tokens=5)
+    assert torch.allclose(completion_logprobs(trainer.model, packed, 0.7, chunk_tokens=5), lean, atol=1e-5)
+    assert packing_unsupported(trainer.model) is None
+
+    class Blind(torch.nn.Module):
+        """A body that drops the positions (so the mask): one causal sequence over the whole row."""
+
+        def __init__(self, body):
+            super().__init__()
+            self.body = body
+
+        def forward(self, input_ids, position_ids=None, **kw):
+            return self.body(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kw)
+
+    class BlindLM(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm, self.config, self.blind = lm, lm.config, Blind(lm.get_decoder())
+
+        def get_decoder(self):
+            return self.blind
+
+        def get_output_embeddings(self):
+            return self.lm.get_output_embeddings()
+
+    why = packing_unsupported(BlindLM(trainer.model))
+    assert why is not None and why.startswith("BlindLM (attention sdpa) does not confine attention to each packed sample")
+
+
+def test_packing_true_on_a_model_that_cannot_is_a_one_line_error_and_auto_says_why(model_path, monkeypatch):
+    import factory.training.trainer as trainer_module
+    from factory.training.parallel import TrainerSetupError
+
+    monkeypatch.setattr(trainer_module, "packing_unsupported", lambda model: "LlamaForCausalLM cannot (test)")
+    one_line = r"^train.packing: LlamaForCausalLM cannot \(test\); set train.packing to false or auto$"
+    with pytest.raises(TrainerSetupError, match=one_line):
+        trainer_for(model_path, "train.packing=true")
+    auto = trainer_for(model_path)
+    assert not auto.packing and auto.settings()["packing_why"] == "off: LlamaForCausalLM cannot (test)"
+    assert auto.train_step(ragged_batch(7))["train/padding_share"] > 0  # the grouped step instead
+
+
+def test_plan_packs_rows_first_fit_decreasing_within_the_budget():
+    lengths = [30, 5, 22, 8, 12, 17, 50]
+    plan = plan_packed_rows(lengths, ranks=1, budget_tokens=40)
+    rows = plan[0]
+    assert sorted(i for row in rows for i in row) == list(range(7))
+    assert [sum(lengths[i] for i in row) for row in rows] == [50, 38, 39, 17]  # 50 alone: over the budget
+    assert rows[1] == [0, 3] and rows[2] == [2, 5]  # 30+8, 22+17, then 12 and 5 go to the first with room
+    assert plan_packed_rows(lengths, 1, 0) == [[sorted(range(7), key=lambda i: -lengths[i])]]  # no budget: one row
+    two = plan_packed_rows(lengths, ranks=2, budget_tokens=64)
+    loads = [sum(lengths[i] for row in shard for i in row) for shard in two]
+    assert abs(loads[0] - loads[1]) <= 12 and all(sum(lengths[i] for i in r) <= 64 for s in two for r in s)
+    assert padding_share(plan, lengths, packed=True) == 0.0
+
+
 def test_the_merged_loss_is_the_whole_batch_loss(model_path):
-    whole = trainer_for(model_path, "train.micro_batch_tokens=0").train_step(ragged_batch(3))
-    micro = trainer_for(model_path, "train.micro_batch_tokens=40").train_step(ragged_batch(3))
+    whole = trainer_for(model_path, "train.micro_batch_tokens=0", "train.packing=false").train_step(ragged_batch(3))
+    micro = trainer_for(model_path, "train.micro_batch_tokens=40", "train.packing=false").train_step(ragged_batch(3))
     assert micro["train/loss"] == pytest.approx(whole["train/loss"], abs=1e-6)
     assert micro["train/tokens"] == whole["train/tokens"]
     assert micro["train/padding_share"] < whole["train/padding_share"]  # similar lengths share a micro-batch
@@ -182,3 +287,18 @@ def test_a_model_without_decoder_blocks_is_a_one_line_error():
 
     with pytest.raises(TrainerSetupError, match=r"^train.ranks: NoBlocks has no decoder `layers` to shard .*train.ranks=1"):
         decoder_blocks(NoBlocks())
+
+
+def test_compiled_blocks_give_the_eager_step(model_path):
+    """train.compile=true on CPU: each decoder block compiled once with dynamic lengths; two steps on
+    batches of different shapes (packed rows of other lengths) give the eager step's gradients."""
+    eager = trainer_for(model_path, "train.compile=false", "train.micro_batch_tokens=40")
+    compiled = trainer_for(model_path, "train.compile=true", "train.micro_batch_tokens=40")
+    assert compiled.settings()["compile"] is True and eager.settings()["compile"] is False
+    from factory.training.parallel import decoder_blocks
+
+    assert all(b._compiled_call_impl is not None for b in decoder_blocks(compiled.model))
+    for seed in (8, 9):
+        a, b = grads_after_step(eager, ragged_batch(seed)), grads_after_step(compiled, ragged_batch(seed))
+        for x, y in zip(a, b):
+            assert torch.allclose(x, y, atol=1e-5, rtol=1e-4), (x - y).abs().max()

@@ -40,6 +40,11 @@ def test_no_trained_sample_is_older_than_eta(engine, tmp_path, eta):
         assert {r["staleness"] for r in rows} == {0}
     assert 0.0 <= results["after"]["mean"] <= 1.0 and results["after"]["n"] == recipe.eval.heldout
     assert (tmp_path / "results.json").is_file()
+    # the default recipe trains on packed rows (auto: the tiny Llama supports them), and says so
+    assert results["trainer"] == {"packing": True, "activation_checkpointing": False, "logprob_chunk_tokens": 512,
+                                  "compile": False}
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["train/padding_share"] for m in metrics if "train/padding_share" in m] == [0.0] * 5
     state = json.loads((tmp_path / "checkpoints" / "step-000005" / "state.json").read_text())
     assert state["version"] == 5 and state["buffer"]["sampler"]["position"] > 0
 

@@ -100,6 +100,33 @@ def test_replaying_the_routers_own_choice_changes_nothing_and_another_choice_cha
         replay.remove()
 
 
+def test_packed_rows_replay_the_recorded_routes_as_the_padded_batch_does(moe):
+    """Routing is position-aligned with input_ids: packed the same way, a packed row replays the very
+    experts the padded batch replays (routes moved away from the router's own, so a misaligned one shows)."""
+    from factory.model.logprobs import pack_tensors, packing_unsupported
+
+    assert packing_unsupported(moe) is None
+    batch = samples()
+    for s, r in zip(batch, own_routing(moe, batch)):
+        s.routed_experts = [[[(e + 3) % EXPERTS for e in layer] for layer in tok] for tok in r]
+    replay = RoutingReplay.install(moe)
+    try:
+        padded = pad_samples(batch, 0)
+        packed = pack_tensors(padded)
+        assert packed["routing"].shape == (1, int(padded["attention_mask"].sum()), LAYERS, K)
+        replay.set(padded["routing"], padded["attention_mask"])
+        want = completion_logprobs(moe, padded)
+        agreement = replay.metrics()["train/router_agreement"]
+        replay.set(packed["routing"], packed["attention_mask"])
+        got = completion_logprobs(moe, packed)
+        assert replay.metrics()["train/router_agreement"] == agreement
+    finally:
+        replay.remove()
+    own = completion_logprobs(moe, pack_tensors(pad_samples(samples(), 0)))  # no hooks: the router's own routes
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert (own - want).abs().max() > 1e-2
+
+
 def test_replayed_routes_keep_the_routers_gradient_and_survive_activation_checkpointing(moe):
     batch = samples()
     for s, r in zip(batch, own_routing(moe, batch)):
