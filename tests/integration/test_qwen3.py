@@ -6,12 +6,14 @@ pre-packed, re-ordered but readable, so they are compared by float64 sums, which
 order), trains end to end in the run loop, checkpoints (a checkpoint loads in transformers and in
 vLLM) and resumes.
 
-The dense model's engine logprobs match the trainer's after every sync (`check_bf16_gap`). The MoE's
-are not held to that bound: without routing replay the engine may send a token to other experts than
-the trainer's recomputation (a bf16 rounding can flip a near tie in the router), and the gap is
-measured and printed instead (`pytest -s`). What is asserted of them is that they follow the synced
-weights: far closer to the trainer's new weights than to the old ones, which a checksum cannot see
-(vLLM 0.32 left reloaded experts in the checkpoint's layout: weights exact, logprobs 0.2 off)."""
+The dense model's engine logprobs match the trainer's after every sync (`check_bf16_gap`). So do the
+MoE's with routing replay (the engine reports each sampled token's experts and the trainer routes
+through them); without it the engine may send a token to other experts than the trainer's
+recomputation (a bf16 rounding can flip a near tie in the router), and on the tokens that moves the
+trainer's own routes are measurably further from the engine. The MoE's logprobs must also follow the
+synced weights: far closer to the trainer's new weights than to the old ones, which a checksum cannot
+see (vLLM 0.32 left reloaded experts in the checkpoint's layout: weights exact, logprobs 0.2 off). Its
+runs record the routes, and `factory replay` retrains one from the lake bit for bit."""
 
 from __future__ import annotations
 
