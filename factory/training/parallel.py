@@ -25,6 +25,18 @@ class TrainerSetupError(ValueError):
 
 # ---------------------------------------------------------------- planning (pure)
 
+def balanced_shards(lengths: list[int], ranks: int) -> list[list[int]]:
+    """Sample indices per rank, balanced by tokens: longest first, each to the rank with the fewest
+    tokens so far (each shard comes out longest-first)."""
+    shards: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(ranks), key=lambda k: (loads[k], k))
+        shards[r].append(i)
+        loads[r] += lengths[i]
+    return shards
+
+
 def plan_micro_batches(lengths: list[int], ranks: int = 1, budget_tokens: int = 0) -> list[list[list[int]]]:
     """Sample indices per rank, per micro-batch: `plan[r][m]` is rank r's m-th micro-batch.
 
@@ -39,15 +51,8 @@ def plan_micro_batches(lengths: list[int], ranks: int = 1, budget_tokens: int = 
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     if ranks == 1 and (budget_tokens <= 0 or n * max(lengths, default=0) <= budget_tokens):
         return [[list(range(n))]] if n else [[]]
-    order = sorted(range(n), key=lambda i: (-lengths[i], i))
-    shards: list[list[int]] = [[] for _ in range(ranks)]
-    loads = [0] * ranks
-    for i in order:
-        r = min(range(ranks), key=lambda k: (loads[k], k))
-        shards[r].append(i)
-        loads[r] += lengths[i]
     plan: list[list[list[int]]] = []
-    for shard in shards:  # each shard is already longest-first
+    for shard in balanced_shards(lengths, ranks):  # each shard is already longest-first
         micro: list[list[int]] = []
         for i in shard:
             if micro and budget_tokens > 0 and (len(micro[-1]) + 1) * lengths[micro[-1][0]] > budget_tokens:
@@ -69,15 +74,8 @@ def plan_packed_rows(lengths: list[int], ranks: int = 1, budget_tokens: int = 0)
     A row is as long as its samples together, so nothing is padding."""
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    shards: list[list[int]] = [[] for _ in range(ranks)]
-    loads = [0] * ranks
-    for i in order:
-        r = min(range(ranks), key=lambda k: (loads[k], k))
-        shards[r].append(i)
-        loads[r] += lengths[i]
     plan: list[list[list[int]]] = []
-    for shard in shards:
+    for shard in balanced_shards(lengths, ranks):
         rows: list[list[int]] = []
         fill: list[int] = []
         for i in shard:
