@@ -248,3 +248,23 @@ def test_recipe_error_is_a_value_error():
     assert issubclass(RecipeError, ValueError)
 
 
+
+
+def test_routing_replay_defaults_on_for_a_built_mixture_of_experts_and_reads_yaml_off():
+    moe = load_recipe(RECIPES / "moe_tiny.yaml")
+    assert moe.algorithm.routing_replay is None and moe.replays_routing
+    assert not load_recipe(RECIPES / "default.yaml").replays_routing
+    # YAML reads a bare `off` as false: it means the word
+    assert load_recipe(RECIPES / "moe_tiny.yaml", ["algorithm.routing_replay=off"]).algorithm.routing_replay == "off"
+    assert not load_recipe(RECIPES / "moe_tiny.yaml", ["algorithm.routing_replay=off"]).replays_routing
+
+
+@pytest.mark.parametrize("overrides", [["rollout.engine=sglang"], ["rollout.engine=hf"],
+                                       ["rollout.engine=sglang", "model.architecture=llama", "algorithm.routing_replay=rollout"]])
+def test_an_engine_that_cannot_report_experts_refuses_routing_replay_in_one_line(overrides):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(RECIPES / "moe_tiny.yaml", overrides)
+    message = str(err.value)
+    assert "algorithm.routing_replay" in message and "use vllm" in message and "\n" not in message.strip()
+    # turned off, the same engine takes the mixture of experts
+    assert load_recipe(RECIPES / "moe_tiny.yaml", [*overrides[:1], "algorithm.routing_replay=off"])

@@ -112,6 +112,12 @@ class AlgorithmSection(Section):
                     "aggregation": registries.AGGREGATIONS, "kl_estimator": registries.KL_ESTIMATORS}[info.field_name]
         return registry.check(value)
 
+    @field_validator("routing_replay", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        """YAML reads a bare `off` as false (and `on` as true): take them as the words they were."""
+        return {False: "off", True: "rollout"}.get(value, value) if isinstance(value, bool) else value
+
     @field_validator("proximal")
     @classmethod
     def _decoupled_needs_a_proximal(cls, proximal: str, info) -> str:
