@@ -3,7 +3,7 @@
 
 Per way, over the run's steps: the engine-vs-trainer logprob gap of the sampled tokens
 (`train/logprob_abs_diff`: with replay, what the trainer trains on; `train/logprob_abs_diff_own_routing`:
-what its own router would have given, measured on each step's first micro-batch), the router's
+what its own router would have given, measured on a quarter of each step's first micro-batch), the router's
 agreement with the engine before replay (`train/router_agreement`), the experts' load, held-out
 accuracy before and after, and the median step time.
 

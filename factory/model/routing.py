@@ -56,8 +56,8 @@ def routing_tensor(samples: list, width: int) -> torch.Tensor | None:
 class LayerStats:
     """One router's last forward: sampled tokens compared and agreed, tokens per expert, its aux loss."""
 
-    agreed: int = 0
-    compared: int = 0
+    agreed: torch.Tensor | int = 0  # kept on the device until read: no sync per layer in the forward
+    compared: torch.Tensor | int = 0
     load: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
 
@@ -118,10 +118,10 @@ class RoutingReplay:
             probs = torch.softmax(logits.float(), dim=-1)
             stats = LayerStats()
             if rec is not None:
-                stats.agreed, stats.compared = int(agree.sum()), int(known.sum())
+                stats.agreed, stats.compared = agree.sum(), known.sum()
             valid = self.valid.to(indices.device) if self.valid is not None and self.valid.numel() == indices.shape[0] else None
             used = chosen if valid is None else chosen[valid]
-            stats.load = torch.bincount(used.flatten(), minlength=probs.shape[-1]).detach().cpu()
+            stats.load = torch.bincount(used.flatten(), minlength=probs.shape[-1]).detach()
             if self.aux_loss:
                 stats.aux_loss = load_balancing_loss(probs if valid is None else probs[valid], used, probs.shape[-1])
             self.stats[layer] = stats
@@ -145,14 +145,14 @@ class RoutingReplay:
         if not self.stats:
             return {}
         out: dict[str, float] = {}
-        compared = sum(s.compared for s in self.stats.values())
+        agreed, compared = self.counts()
         if compared:
-            out["train/router_agreement"] = sum(s.agreed for s in self.stats.values()) / compared
+            out["train/router_agreement"] = agreed / compared
         entropies, peaks = [], []
         for s in self.stats.values():
             if s.load is None or not s.load.sum():
                 continue
-            share = s.load.float() / s.load.sum()
+            share = s.load.float().cpu() / s.load.sum().cpu()
             n = share.numel()
             entropies.append(float(-(share * share.clamp_min(1e-12).log()).sum() / torch.log(torch.tensor(float(n)))))
             peaks.append(float(share.max() * n))
@@ -163,7 +163,7 @@ class RoutingReplay:
 
     def counts(self) -> tuple[float, float]:
         """(agreed, compared) sampled tokens over every layer of the last forward."""
-        return (float(sum(s.agreed for s in self.stats.values())), float(sum(s.compared for s in self.stats.values())))
+        return (sum(float(s.agreed) for s in self.stats.values()), sum(float(s.compared) for s in self.stats.values()))
 
     def remove(self) -> None:
         for h in self.handles:

@@ -351,16 +351,13 @@ class Trainer:
                     probe: bool = False) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
         """The objective of one micro-batch, aggregated over it alone: (loss, metrics, mask kept).
         `probe`: also measure what routing replay saves (a step's first micro-batch)."""
-        tensors = pad_samples(samples, self.tokenizer.pad_token_id)
-        if self.packing:  # one row, samples end to end; the [B, T] tensors the loss reads stay per sample
-            tensors = pack_tensors(tensors)
-        tensors = to_device(tensors, self.device)
+        tensors = self._tensors(samples)
         adv = adv.to(self.device)
         if any(s.teacher_logprobs for s in samples):  # graded by a teacher (scoring phase): distillation
             adv = distillation_advantages(adv, samples, tensors["old_logp"], tensors["mask"],
                                           self.algorithm.distill.coef)
         logp = self._forward(self.policy, tensors)
-        routing_out = self._routing_metrics(tensors, probe) if self.routing is not None else {}
+        routing_out = self._routing_metrics(tensors, samples if probe else []) if self.routing is not None else {}
         # per-token staleness is measured against the policy being trained (= batch.version in run.py)
         ctx = LossContext(behaviour_logp=tensors["old_logp"], versions=tensors["versions"],
                           trainer_version=self.version, truncated=tensors["truncated"])
@@ -384,20 +381,29 @@ class Trainer:
         out["train/logprob_abs_diff"] = float(diff.sum() / sampled.sum().clamp(min=1))
         return loss, out, mask
 
-    def _routing_metrics(self, tensors: dict[str, Any], probe: bool) -> dict[str, float]:
+    def _tensors(self, samples: list[Sample]) -> dict[str, Any]:
+        """A micro-batch's inputs on the device: padded rows, or one packed row (`train.packing`) whose
+        [B, T] tensors the loss reads stay per sample."""
+        tensors = pad_samples(samples, self.tokenizer.pad_token_id)
+        return to_device(pack_tensors(tensors) if self.packing else tensors, self.device)
+
+    def _routing_metrics(self, tensors: dict[str, Any], probe: list[Sample]) -> dict[str, float]:
         """A mixture-of-experts policy's router metrics for the forward just run (RoutingReplay.metrics)
-        and, with `probe` where it replayed recorded routes, the engine-vs-trainer logprob gap the
-        trainer's own router gives (one extra forward without gradients: what replay is saving)."""
+        and, where it replayed recorded routes, the engine-vs-trainer logprob gap the trainer's own router
+        gives on a quarter of `probe`'s samples (one extra forward without gradients on those: what replay
+        is saving; a step probes its first micro-batch)."""
         assert self.routing is not None
         out = self.routing.metrics()
         if probe and "routing" in tensors and self.routing.replay:
-            aux_stats = self.routing.stats
+            replayed = self.routing.stats
+            few = self._tensors(probe[: max(1, len(probe) // 4)])
+            few.pop("routing", None)
             with torch.no_grad():
-                own = self._forward(self.policy, {k: v for k, v in tensors.items() if k != "routing"})
+                own = self._forward(self.policy, few)
             self.routing.set(tensors["routing"], tensors["attention_mask"])  # the backward recomputes replayed
-            self.routing.stats = aux_stats  # the step's metrics and aux loss stay the replayed forward's
-            sampled = tensors["mask"]
-            gap = (own - tensors["old_logp"]).abs() * sampled
+            self.routing.stats = replayed  # the step's metrics and aux loss stay the replayed forward's
+            sampled = few["mask"]
+            gap = (own - few["old_logp"]).abs() * sampled
             out["train/logprob_abs_diff_own_routing"] = float(gap.sum() / sampled.sum().clamp(min=1))
         return out
 
