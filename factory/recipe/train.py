@@ -147,8 +147,9 @@ class TrainSection(Section):
         "accumulate to the whole batch's update; 0 = the whole batch")
     packing: bool | Literal["auto"] = Field(
         "auto", description="pack samples end to end into rows of up to micro_batch_tokens, positions "
-        "restarting and attention confined to each sample (no padding); auto = on where the model's attention "
-        "is checked to support it (one line says why where it does not); true fails where it does not")
+        "restarting and attention confined to each sample (no padding); auto = on where the attention runs each "
+        "sample of a row on its own (flash-attention, flex; not sdpa, whose dense mask costs row^2) and is checked "
+        "to confine it (one line says why where not); true packs wherever that check passes, and fails where not")
     logprob_chunk_tokens: int | Literal["auto"] = Field(
         "auto", description="completion tokens per chunk through the output layer (each chunk's logits "
         "are recomputed in the backward pass; a [B, T, vocab] tensor never exists); auto = 512 on cpu, on cuda "

@@ -148,8 +148,10 @@ def test_packed_lora_step_gives_the_unpacked_update(model_path):
 def test_packed_logprobs_equal_the_padded_ones_and_the_probe_refuses_a_model_that_ignores_positions(model_path):
     from factory.model.logprobs import completion_logprobs, pack_tensors, packing_unsupported, pad_samples
 
-    trainer = trainer_for(model_path)
-    assert trainer.packing and trainer.settings()["packing"] is True  # auto: the tiny Llama (sdpa) packs
+    trainer = trainer_for(model_path, "train.packing=true")
+    assert trainer.packing and trainer.settings()["packing"] is True  # asked for: the tiny Llama (sdpa) packs
+    auto = trainer_for(model_path)  # auto: not on sdpa, whose dense [row, row] mask costs row^2; and it says so
+    assert not auto.packing and "dense [row, row] mask" in auto.settings()["packing_why"]
     tensors = pad_samples(ragged_batch().samples, 0)
     packed = pack_tensors(tensors)
     assert packed["input_ids"].shape == (1, int(tensors["attention_mask"].sum()))
@@ -191,6 +193,7 @@ def test_packing_true_on_a_model_that_cannot_is_a_one_line_error_and_auto_says_w
     one_line = r"^train.packing: LlamaForCausalLM cannot \(test\); set train.packing to false or auto$"
     with pytest.raises(TrainerSetupError, match=one_line):
         trainer_for(model_path, "train.packing=true")
+    monkeypatch.setattr(trainer_module, "VARLEN_ATTENTION", ("sdpa",))  # as if sdpa ran packed rows per sample
     auto = trainer_for(model_path)
     assert not auto.packing and auto.settings()["packing_why"] == "off: LlamaForCausalLM cannot (test)"
     assert auto.train_step(ragged_batch(7))["train/padding_share"] > 0  # the grouped step instead

@@ -19,7 +19,10 @@ def trained_rows(run_dir):
 
 @pytest.mark.parametrize("eta", [0, 2])
 def test_no_trained_sample_is_older_than_eta(engine, tmp_path, eta):
-    recipe = small_recipe(f"async.max_staleness={eta}", "train.steps=5", "eval.before=false", "train.threads=auto")
+    # η = 0 trains on packed rows (asked for: `auto` packs only where attention is variable-length), η = 2 at auto
+    packing = "true" if eta == 0 else "auto"
+    recipe = small_recipe(f"async.max_staleness={eta}", "train.steps=5", "eval.before=false", "train.threads=auto",
+                          f"train.packing={packing}")
     results = run(recipe, tmp_path, engines=[engine])
     # the trainer's thread budget resolved on its node for this run's shape (η = 0: it trains alone)
     assert results["threads"]["trainer"] == thread_split(available_cores(), 1, eta)[0]
@@ -40,11 +43,13 @@ def test_no_trained_sample_is_older_than_eta(engine, tmp_path, eta):
         assert {r["staleness"] for r in rows} == {0}
     assert 0.0 <= results["after"]["mean"] <= 1.0 and results["after"]["n"] == recipe.eval.heldout
     assert (tmp_path / "results.json").is_file()
-    # the default recipe trains on packed rows (auto: the tiny Llama supports them), and says so
-    assert results["trainer"] == {"packing": True, "activation_checkpointing": False, "logprob_chunk_tokens": 512,
-                                  "compile": False}
+    # the run says what the trainer's auto settings became: packed rows where asked, else why not
+    chosen = {"packing": eta == 0, "activation_checkpointing": False, "logprob_chunk_tokens": 512, "compile": False}
+    assert {k: results["trainer"][k] for k in chosen} == chosen
+    assert ("dense" in results["trainer"].get("packing_why", "")) == (eta != 0)
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["train/padding_share"] for m in metrics if "train/padding_share" in m] == [0.0] * 5
+    if eta == 0:
+        assert [m["train/padding_share"] for m in metrics if "train/padding_share" in m] == [0.0] * 5
     state = json.loads((tmp_path / "checkpoints" / "step-000005" / "state.json").read_text())
     assert state["version"] == 5 and state["buffer"]["sampler"]["position"] > 0
 
