@@ -72,15 +72,17 @@ class SessionRecord:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
+    def _per_token(self, kept: list, values: Sequence | None, ids: list[int], sampled: bool) -> None:
+        """A per-token record (`support`, `routed_experts`): once recorded, every completion token gets an
+        entry, [] where unknown or not sampled (tool output)."""
+        if values is not None or kept:
+            kept += [[] for _ in range(len(self.completion_ids) - len(kept))]
+            kept += [list(v) for v in values] if (sampled and values is not None) else [[] for _ in ids]
+
     def extend(self, ids: list[int], *, sampled: bool, logprobs: Sequence[float] = (), versions: Sequence[int] = (),
                support: list[list[int]] | None = None, routed_experts: list[list[list[int]]] | None = None):
-        if support is not None or self.support:  # once recorded, every token gets an entry ([] = unknown)
-            self.support += [[] for _ in range(len(self.completion_ids) - len(self.support))]
-            self.support += [list(s) for s in support] if (sampled and support is not None) else [[] for _ in ids]
-        if routed_experts is not None or self.routed_experts:  # the same: [] = not sampled (tool output) or unknown
-            self.routed_experts += [[] for _ in range(len(self.completion_ids) - len(self.routed_experts))]
-            self.routed_experts += (list(routed_experts) if (sampled and routed_experts is not None)
-                                    else [[] for _ in ids])
+        self._per_token(self.support, support, ids, sampled)
+        self._per_token(self.routed_experts, routed_experts, ids, sampled)
         self.completion_ids += ids
         self.loss_mask += [1 if sampled else 0] * len(ids)
         self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)
