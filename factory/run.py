@@ -109,8 +109,10 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         version = restore(a, recipe, resume_from)
         start_env_workers(a)
         results: dict = {"run_dir": str(run_dir), "recipe": recipe.name, "policy": str(policy), "nodes": a.nodes()}
-        # what the trainer's auto settings became (after its warm-up, which chooses some of them on CUDA)
-        results["trainer"] = ray.get(a.trainer.settings.remote(), timeout=recipe.deadlines.train_step_s)
+        # what the trainer's auto settings became: answered after its warm-up (which chooses some of them
+        # on CUDA), a dummy pass begun with the engines' start and so bound by the start-up's deadline
+        results["trainer"] = get_within(a.trainer.settings.remote(), recipe.rollout.startup_timeout_s,
+                                        "trainer warm-up", "rollout.startup_timeout_s")
         log.info("trainer: %s", trainer_settings_line(results["trainer"]))
         if before is not None:  # a rebuilt trainer's attempt: the run's start was evaluated already
             results["before"] = before
