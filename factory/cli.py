@@ -125,6 +125,9 @@ def print_summary(results: dict, recipe: Recipe | None = None) -> None:
         print(f"improvement        : {results['delta']:+.3f} (2·SE = {2 * results['delta_stderr']:.3f}; beyond 2·SE: {verdict})")
     print(f"time               : {results['total_seconds']:.0f}s total, {results['train_seconds']:.0f}s training "
           f"({results['samples_trained']} samples, trainer idle {results['trainer_idle_fraction']:.0%})")
+    if results.get("phase_seconds"):  # where the rest went (start-up: the engines' and the trainer's processes)
+        print("  by phase         : " + ", ".join(f"{name.replace('_', ' ')} {s:.0f}s"
+                                                  for name, s in results["phase_seconds"].items()))
     run_dir = Path(results["run_dir"])
     files = ["results.json", "metrics.jsonl", "samples.jsonl", "checkpoints/"]
     files += ["plots/ (reward, throughput, staleness)"] if (run_dir / "plots").is_dir() else []

@@ -102,7 +102,9 @@ class TrainerLost(RuntimeError):
 def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, resume_from, engines,
          on_sft_step, before: dict | None = None) -> dict:
     t_start = time.time()
+    spent = PhaseTimes()
     policy, source, heldout = _inputs(recipe, record, phase, on_sft_step)
+    spent.mark("inputs")
     with local_ray(), killed_on_error() as created:  # a failed run leaves no actor behind, on any cluster
         phase("starting engines, trainer, buffer, env workers")
         a = start_actors(recipe, run_dir, record, policy, source.train, engines, created)
@@ -114,22 +116,48 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         results["trainer"] = get_within(a.trainer.settings.remote(), recipe.rollout.startup_timeout_s,
                                         "trainer warm-up", "rollout.startup_timeout_s")
         log.info("trainer: %s", trainer_settings_line(results["trainer"]))
+        spent.mark("start")
         if before is not None:  # a rebuilt trainer's attempt: the run's start was evaluated already
             results["before"] = before
         elif recipe.eval.before:
             results["before"] = _evaluate(a, heldout, recipe, record, version, "before", phase)
+            spent.mark("evaluation_before")
 
         phase("training")
         sup = supervise(a, recipe, run_dir, created)
         clock = _train(a, sup, recipe, record, run_dir, version, results.get("before"), phase, on_step)
+        spent.mark("training")
 
         phase("stopping rollouts")
         results.update(_stop(a, sup.producing, record, recipe.train.steps))
         results["restarts"] = dict(sup.restarts)
+        spent.mark("stop")
         if recipe.eval.after:
             results["after"] = _evaluate(a, heldout, recipe, record, recipe.train.steps, "after", phase)
+            spent.mark("evaluation_after")
         stop_actors(a, created)
+        spent.mark("shutdown")
+    results["phase_seconds"] = spent.seconds
+    log.info("where the run's time went: %s", spent.line())
     return _summary(results, recipe, clock, time.time() - t_start)
+
+
+class PhaseTimes:
+    """Wall seconds of a run's phases, each `mark(name)` closing the phase begun at the previous mark:
+    inputs (base policy, tasks, prompt fit), start (actors, restore, warm-up), evaluation_before, training,
+    stop (rollouts drained, their groups' fates recorded), evaluation_after, shutdown."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._t = time.monotonic()
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = round(now - self._t, 2)
+        self._t = now
+
+    def line(self) -> str:
+        return ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
 
 
 def _inputs(recipe: Recipe, record: RunRecorder, phase, on_sft_step) -> tuple[Path, ReasoningGymSource, list]:

@@ -113,3 +113,12 @@ def test_the_summary_warns_when_the_starting_policy_scores_near_zero(capsys, tmp
     assert len(lines) == int(warned)
     if warned:
         assert f"scored {before['mean']:.3f}" in lines[0] and "model.seed" in lines[0] and "warm start" in lines[0]
+
+
+def test_the_summary_says_where_the_runs_time_went_by_phase(capsys, tmp_path):
+    run_dir = tmp_path / "default-20260101-000000"
+    phases = {"inputs": 1.9, "start": 40.9, "training": 3.2, "stop": 0.0, "evaluation_after": 12.4, "shutdown": 0.6}
+    print_summary({"run_dir": str(run_dir), "total_seconds": 59.0, "train_seconds": 3.2, "samples_trained": 8,
+                   "trainer_idle_fraction": 0.1, "phase_seconds": phases})
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("by phase")]
+    assert line.split(": ", 1)[1] == "inputs 2s, start 41s, training 3s, stop 0s, evaluation after 12s, shutdown 1s"

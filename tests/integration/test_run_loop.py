@@ -43,6 +43,11 @@ def test_no_trained_sample_is_older_than_eta(engine, tmp_path, eta):
         assert {r["staleness"] for r in rows} == {0}
     assert 0.0 <= results["after"]["mean"] <= 1.0 and results["after"]["n"] == recipe.eval.heldout
     assert (tmp_path / "results.json").is_file()
+    # where the run's time went: its phases in order (no evaluation before here), together its whole time
+    spent = results["phase_seconds"]
+    assert list(spent) == ["inputs", "start", "training", "stop", "evaluation_after", "shutdown"], spent
+    assert min(spent.values()) >= 0 and spent["training"] > 0
+    assert abs(sum(spent.values()) - results["total_seconds"]) < 0.1 * results["total_seconds"] + 0.5
     # the run says what the trainer's auto settings became: packed rows where asked, else why not
     chosen = {"packing": eta == 0, "activation_checkpointing": False, "logprob_chunk_tokens": 512, "compile": False}
     assert {k: results["trainer"][k] for k in chosen} == chosen
