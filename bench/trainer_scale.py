@@ -8,9 +8,11 @@ the body, are what a large vocabulary makes expensive).
      step, and the plain reference, three steps each.
   2. The new step alone at 16 x 1,024 (the old one would not fit in 24 GiB).
   3. 1 rank against 2 FSDP2 ranks (gloo) on the same batch.
-  4. A heavy-tailed mix of lengths: the new step with packed rows (train.packing) and with micro-batches
-     grouped by length, against the plain reference on the padded batch (`--heavy-tailed`: this part
-     alone, written into the results file's `heavy_tailed` key).
+  4. A heavy-tailed mix of lengths: the new step with one packed row per micro-batch (train.packing:
+     true), with rows as wide as the longest sample (`auto` on sdpa) and with micro-batches grouped by
+     length, against the plain reference on the padded batch; then 64 short samples (the default
+     recipe's shape) packed, in rows and grouped (`--heavy-tailed`: this part alone, written into the
+     results file's `heavy_tailed` key).
 
 GPU (`--gpu`): the Qwen2.5-0.5B and -1.5B shapes (random init) at 16 to 64 samples of 1,024 tokens,
 the new step (bf16, activation checkpointing), the step on its defaults (`auto`: packing, chunk and
@@ -328,13 +330,35 @@ def heavy_tailed_cpu(model: Path) -> dict:
     print(f"heavy-tailed completions {sorted(lens)}:", flush=True)
     budget = "train.micro_batch_tokens=4096"
     packed = run_variant("new step, packed rows of 4,096", "trainer", model, mix, overrides=[budget, "train.packing=true"])
+    rows = run_variant("new step, auto: rows as wide as the longest", "trainer", model, mix,
+                       overrides=[budget, "train.packing=auto"])
     grouped = run_variant("new step, grouped micro-batches 4,096", "trainer", model, mix,
                           overrides=[budget, "train.packing=false"])
     padded = run_variant("plain reference, padded batch", "plain", model, mix)
-    return {"lengths": lens, "packed": packed, "new": grouped, "plain": padded,
+    return {"lengths": lens, "packed": packed, "rows": rows, "new": grouped, "plain": padded,
             "plain_over_new_time": ratio(padded, grouped, "s_per_step"),
             "packed_over_grouped_time": ratio(packed, grouped, "s_per_step"),
-            "plain_over_packed_time": ratio(padded, packed, "s_per_step")}
+            "rows_over_grouped_time": ratio(rows, grouped, "s_per_step"),
+            "rows_over_packed_time": ratio(rows, packed, "s_per_step"),
+            "plain_over_packed_time": ratio(padded, packed, "s_per_step"),
+            "short": short_mix_cpu(model)}
+
+
+def short_mix_cpu(model: Path) -> dict:
+    """Many short samples, the default recipe's shape (64 samples, 32 prompt tokens, completions of 8 to 48):
+    where one long packed row's dense mask loses, the rows `auto` packs on sdpa against grouped and one row."""
+    import random
+
+    rng = random.Random(2)
+    mix = batch_spec(64, 32, [rng.randint(8, 48) for _ in range(64)])
+    print("64 short samples (the default recipe's shape):", flush=True)
+    out = {name: run_variant(f"new step, {label}", "trainer", model, mix, overrides=[f"train.packing={value}"])
+           for name, label, value in (("grouped", "grouped (packing off)", "false"),
+                                      ("rows", "auto: rows as wide as the longest", "auto"),
+                                      ("packed", "one packed row", "true"))}
+    out["rows_over_grouped_time"] = ratio(out["rows"], out["grouped"], "s_per_step")
+    out["packed_over_grouped_time"] = ratio(out["packed"], out["grouped"], "s_per_step")
+    return out
 
 
 GPU_NEW = ["train.device=cuda", "train.precision=bf16", "train.activation_checkpointing=true",
@@ -495,7 +519,9 @@ def plot(results: dict, out: Path) -> None:
     rows = [("8x512 old", results["8x512"]["old"]), ("8x512 new", results["8x512"]["new"]),
             ("8x512 plain", results["8x512"]["plain"]), ("16x1024 new", results["16x1024"]["new"]),
             ("tailed packed", results["heavy_tailed"].get("packed", {})),
-            ("tailed grouped", results["heavy_tailed"]["new"]), ("tailed plain", results["heavy_tailed"]["plain"])]
+            ("tailed rows", results["heavy_tailed"].get("rows", {})),
+            ("tailed grouped", results["heavy_tailed"]["new"]), ("tailed plain", results["heavy_tailed"]["plain"]),
+            *((f"short {k}", results["heavy_tailed"].get("short", {}).get(k, {})) for k in ("packed", "rows", "grouped"))]
     rows = [(n, r) for n, r in rows if "s_per_step" in r]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((axes[0], "s_per_step", "seconds per step"), (axes[1], "peak_gib", "peak memory (GiB)")):

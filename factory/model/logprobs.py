@@ -63,26 +63,64 @@ def pad_samples(samples: list[Sample], pad_id: int) -> dict[str, Any]:
     return out
 
 
-def pack_tensors(tensors: dict[str, Any]) -> dict[str, Any]:
+def pack_tensors(tensors: dict[str, Any], rows: list[list[int]] | None = None) -> dict[str, Any]:
     """`pad_samples`' tensors with the samples packed end to end into one row: `input_ids` [1, N]
     (N: their tokens together, no padding), `position_ids` [1, N] restarting at 0 for each sample,
     `sample_starts` [B] (each sample's first position in the row) and, where recorded, `routing`
     [1, N, layers, k] packed the same way as the ids. `attention_mask` becomes [1, N] ones: it tells
     the router hooks which positions are real, and a packed forward does not pass it to the model
     (transformers 5 builds the block-diagonal causal mask from the restarting positions only when
-    no 2D mask is given). The completion-aligned [B, T] tensors, and so the loss, are unchanged."""
+    no 2D mask is given). The completion-aligned [B, T] tensors, and so the loss, are unchanged.
+    `rows`: the samples of each of several rows instead (see `_pack_rows`)."""
     lens = tensors["attention_mask"].sum(1)
     keep = tensors["attention_mask"].bool()
     starts = torch.cumsum(lens, 0) - lens
     out = dict(tensors)
     if "completion_lens" not in out:  # tensors built by hand: every step up to the end of the row
         out["completion_lens"] = lens - tensors["prompt_lens"]
+    if rows is not None:
+        return _pack_rows(out, tensors, [int(n) for n in lens], rows)
     out["input_ids"] = tensors["input_ids"][keep][None]
     out["attention_mask"] = torch.ones_like(out["input_ids"])
     out["position_ids"] = torch.cat([torch.arange(int(n)) for n in lens])[None].to(out["input_ids"].device)
     out["sample_starts"] = starts
     if "routing" in tensors:
         out["routing"] = tensors["routing"][keep][None]
+    return out
+
+
+def _pack_rows(out: dict[str, Any], tensors: dict[str, Any], lens: list[int], rows: list[list[int]]) -> dict[str, Any]:
+    """`pack_tensors` into several rows (`rows`: each row's samples, `row_layout`): [R, W] ids, W the
+    longest row; each row's samples end to end, then padding whose positions restart at 0 too (a
+    sequence of its own that no sample attends to; its outputs are never read). `attention_mask` marks
+    the real positions (for the router hooks; the model is not given it), `sample_rows` [B] and
+    `sample_starts` [B] say where each sample sits; recorded routing is packed the same way (-1: none)."""
+    ids = tensors["input_ids"]
+    width = max(sum(lens[i] for i in row) for row in rows)
+    packed = torch.zeros((len(rows), width), dtype=ids.dtype, device=ids.device)
+    mask = torch.zeros_like(packed)
+    positions = torch.zeros_like(packed)
+    sample_rows = torch.zeros(len(lens), dtype=torch.long)
+    sample_starts = torch.zeros(len(lens), dtype=torch.long)
+    routing = tensors.get("routing")
+    packed_routing = None if routing is None else torch.full(
+        (len(rows), width, *routing.shape[2:]), -1, dtype=routing.dtype, device=routing.device)
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            n = lens[i]
+            packed[r, at: at + n] = ids[i, :n]
+            mask[r, at: at + n] = 1
+            positions[r, at: at + n] = torch.arange(n)
+            if packed_routing is not None:
+                packed_routing[r, at: at + n] = routing[i, :n]
+            sample_rows[i], sample_starts[i] = r, at
+            at += n
+        positions[r, at:] = torch.arange(width - at)
+    out.update({"input_ids": packed, "attention_mask": mask, "position_ids": positions,
+                "sample_rows": sample_rows, "sample_starts": sample_starts})
+    if packed_routing is not None:
+        out["routing"] = packed_routing
     return out
 
 
@@ -184,7 +222,7 @@ def completion_logprobs(model, tensors: dict[str, Any], temperature: float = 1.0
     gradients on, each chunk is checkpointed, so at most one chunk's [chunk, V] logits live at once.
     """
     ids = tensors["input_ids"]
-    starts = tensors.get("sample_starts")  # packed (pack_tensors): every sample in row 0 from its start
+    starts = tensors.get("sample_starts")  # packed (pack_tensors): each sample in its row from its start
     hidden, head = _body_and_head(model, ids, tensors["attention_mask"],
                                   tensors.get("position_ids") if starts is not None else None)
     n, t_max = tensors["prompt_lens"].shape[0], tensors["t_max"]
@@ -197,7 +235,8 @@ def completion_logprobs(model, tensors: dict[str, Any], temperature: float = 1.0
     pos = tensors["prompt_lens"].to(ids.device)[rows] + cols - 1
     if starts is not None:
         pos = pos + starts.to(ids.device)[rows]
-        rows_in = torch.zeros_like(rows)
+        sample_rows = tensors.get("sample_rows")  # several packed rows (`_pack_rows`), else all in row 0
+        rows_in = sample_rows.to(ids.device)[rows] if sample_rows is not None else torch.zeros_like(rows)
     else:
         rows_in = rows
     states = hidden[rows_in, pos]  # [N, H]: the completion positions only

@@ -142,14 +142,17 @@ class TrainSection(Section):
         "activations; auto = off on cpu; on cuda decided after the warm-up pass measured the step's peak "
         "memory (off where the device's memory allows, else on; cuda untested here: no GPU)")
     micro_batch_tokens: int = Field(
-        16384, ge=0, description="tokens per forward/backward: with packing, a packed row's tokens; without, "
-        "padded tokens (rows x longest row), samples of similar length sharing a micro-batch; gradients "
+        16384, ge=0, description="tokens per forward/backward: a packed row's tokens (packing true), else "
+        "rows x the longest row (padded rows, or rows of packed samples), samples of similar length sharing a "
+        "micro-batch; gradients "
         "accumulate to the whole batch's update; 0 = the whole batch")
     packing: bool | Literal["auto"] = Field(
-        "auto", description="pack samples end to end into rows of up to micro_batch_tokens, positions "
-        "restarting and attention confined to each sample (no padding); auto = on where the attention runs each "
-        "sample of a row on its own (flash-attention, flex; not sdpa, whose dense mask costs row^2) and is checked "
-        "to confine it (one line says why where not); true packs wherever that check passes, and fails where not")
+        "auto", description="pack samples end to end, positions restarting and attention confined to each "
+        "sample; true = one row of up to micro_batch_tokens per micro-batch (no padding); auto = that where the "
+        "attention runs each sample of a row on its own (flash-attention, flex), and with sdpa or eager (a dense "
+        "mask, whose cost grows with row^2) several rows per micro-batch as wide as its longest sample, short "
+        "samples sharing a row; either only where a check shows the model confines attention (one line says why "
+        "not); true fails where that check does; false = micro-batches of padded rows grouped by length")
     logprob_chunk_tokens: int | Literal["auto"] = Field(
         "auto", description="completion tokens per chunk through the output layer (each chunk's logits "
         "are recomputed in the backward pass; a [B, T, vocab] tensor never exists); auto = 512 on cpu, on cuda "

@@ -91,12 +91,66 @@ def plan_packed_rows(lengths: list[int], ranks: int = 1, budget_tokens: int = 0)
     return plan
 
 
-def padding_share(plan: list[list[list[int]]], lengths: list[int], packed: bool = False) -> float:
+def row_layout(lengths: list[int], max_rows: int = 0) -> list[list[int]]:
+    """A micro-batch's samples (`lengths`, longest first) packed into rows as wide as its longest
+    sample, first-fit: each sample goes into the first row with room left, else a new row (at most
+    `max_rows`; 0: no limit); samples that fit nowhere are left out. Rows of local indices."""
+    width = max(lengths, default=0)
+    rows: list[list[int]] = []
+    fill: list[int] = []
+    for i, n in enumerate(lengths):
+        slot = next((k for k, used in enumerate(fill) if used + n <= width), None)
+        if slot is None:
+            if max_rows and len(rows) >= max_rows:
+                continue
+            rows.append([])
+            fill.append(0)
+            slot = len(rows) - 1
+        rows[slot].append(i)
+        fill[slot] += n
+    return rows
+
+
+def plan_row_packs(lengths: list[int], ranks: int = 1, budget_tokens: int = 0) -> list[list[list[int]]]:
+    """Sample indices per rank, per micro-batch, for packing into several rows per micro-batch
+    (`row_layout`): where attention builds a dense mask per row (sdpa, eager), one long packed row
+    costs row² while rows as wide as the micro-batch's longest sample cost no more than the padded
+    rows they replace, and hold several short samples each.
+
+    Ranks get samples balanced by tokens as in `plan_micro_batches`. Within a rank, longest first: a
+    micro-batch is as wide as the longest sample left and holds as many rows as `budget_tokens` allows
+    (rows × width, as a padded micro-batch; at least one row; budget 0: no limit), filled first-fit by
+    every sample left that fits; the rest go to the next micro-batch. Each micro-batch lists its samples
+    longest first, so `row_layout` of their lengths gives back its rows."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    plan: list[list[list[int]]] = []
+    for shard in balanced_shards(lengths, ranks):  # longest first
+        micro: list[list[int]] = []
+        left = list(shard)
+        while left:
+            width = lengths[left[0]]
+            max_rows = max(1, budget_tokens // max(width, 1)) if budget_tokens > 0 else 0
+            rows = row_layout([lengths[i] for i in left], max_rows)
+            taken = sorted(k for row in rows for k in row)  # positions in `left`: still longest first
+            micro.append([left[k] for k in taken])
+            chosen = set(taken)
+            left = [i for k, i in enumerate(left) if k not in chosen]
+        plan.append(micro)
+    return plan
+
+
+def padding_share(plan: list[list[list[int]]], lengths: list[int], packed: bool | str = False) -> float:
     """Share of the token positions the forward passes compute that are padding: a micro-batch
-    computes rows × its longest row, a packed row (`packed`) its samples' tokens and nothing more."""
-    if packed:
+    computes rows × its longest row, a packed row (`packed` True) its samples' tokens and nothing more,
+    rows of packed samples (`packed` "rows": `plan_row_packs`) their number × the longest sample."""
+    if packed is True:
         return 0.0
-    computed = sum(len(mb) * max(lengths[i] for i in mb) for shard in plan for mb in shard if mb)
+    if packed == "rows":
+        computed = sum(len(row_layout([lengths[i] for i in mb])) * max(lengths[i] for i in mb)
+                       for shard in plan for mb in shard if mb)
+    else:
+        computed = sum(len(mb) * max(lengths[i] for i in mb) for shard in plan for mb in shard if mb)
     real = sum(lengths[i] for shard in plan for mb in shard for i in mb)
     return 1.0 - real / computed if computed else 0.0
 

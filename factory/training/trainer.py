@@ -49,6 +49,8 @@ from factory.training.parallel import (
     padding_share,
     plan_micro_batches,
     plan_packed_rows,
+    plan_row_packs,
+    row_layout,
     step_metrics_merge,
 )
 from factory.core.types import Batch, Sample
@@ -62,11 +64,12 @@ log = logging.getLogger(__name__)
 
 # the tensors a forward pass reads (FSDP's mixed precision casts the floating inputs of the root's forward)
 FORWARD_KEYS = ("input_ids", "attention_mask", "prompt_lens", "completion_lens", "t_max", "support", "routing",
-                "position_ids", "sample_starts")
+                "position_ids", "sample_starts", "sample_rows")
 
 
 # attention implementations that run each sample of a packed row on its own (no dense [row, row] mask):
-# where `train.packing: auto` packs
+# where `train.packing: auto` packs a micro-batch into one row; elsewhere it packs into rows as wide as the
+# micro-batch's longest sample (`plan_row_packs`)
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
 
 
@@ -186,21 +189,24 @@ class Trainer:
         self.version = 0
         self.busy_s = 0.0
 
-    def _resolve_packing(self, wanted: bool | str) -> tuple[bool, str | None]:
-        """train.packing: (on?, why not, where auto turned it off). Checked on the model itself
-        (`packing_unsupported`); `true` on a model that cannot is a one-line error. `auto` packs only
-        where the attention runs a packed row per sample (variable-length kernels): sdpa and eager
-        build a dense [row, row] mask, so a row's attention costs row², which on many short samples
-        outweighs the padding saved (the default recipe's step: 0.88 s packed vs 0.65 s grouped)."""
+    def _resolve_packing(self, wanted: bool | str) -> tuple[bool | str, str | None]:
+        """train.packing: (True: one packed row per micro-batch, "rows": several rows per micro-batch,
+        False; a note on what auto chose and why). Checked on the model itself (`packing_unsupported`);
+        `true` on a model that cannot is a one-line error. `auto` packs a micro-batch into one row only
+        where the attention runs each sample of a row on its own (variable-length kernels): sdpa and
+        eager build a dense [row, row] mask, so one long row's attention costs row² (the default
+        recipe's step: 0.88 s in one row vs 0.65 s grouped). There it packs into rows as wide as the
+        micro-batch's longest sample, which cost no more than the padded rows they replace."""
         if wanted is False:
             return False, None
         attention = str(getattr(self.model.config, "_attn_implementation", None))
-        if wanted == "auto" and attention not in VARLEN_ATTENTION:
-            dense = (f"off: attention {attention} builds a dense [row, row] mask for a packed row; "
-                     "set train.packing: true to pack anyway")
-            log.info("train.packing: %s", dense)
-            return False, dense
         why = packing_unsupported(self.model)
+        if why is None and wanted == "auto" and attention not in VARLEN_ATTENTION:
+            rows = (f"rows: attention {attention} builds a dense [row, row] mask, so samples are packed into "
+                    "rows as wide as each micro-batch's longest, several short ones a row (one long row: "
+                    "train.packing: true)")
+            log.info("train.packing: %s", rows)
+            return "rows", rows
         if why is None:
             return True, None
         if wanted is True:
@@ -287,7 +293,7 @@ class Trainer:
         tensors = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "t_max": self.max_new_tokens,
                    "prompt_lens": torch.full((rows,), prompt_tokens),
                    "completion_lens": torch.full((rows,), self.max_new_tokens)}
-        if self.packing:  # the step's shape: its rows end to end in one row
+        if self.packing is True:  # the step's shape: its rows end to end in one row (rows: as they are)
             tensors = pack_tensors(tensors)
         tensors = to_device(tensors, self.device)
         rng = torch.random.get_rng_state()
@@ -399,7 +405,11 @@ class Trainer:
         """A micro-batch's inputs on the device: padded rows, or one packed row (`train.packing`) whose
         [B, T] tensors the loss reads stay per sample."""
         tensors = pad_samples(samples, self.tokenizer.pad_token_id)
-        return to_device(pack_tensors(tensors) if self.packing else tensors, self.device)
+        if self.packing == "rows":  # the planner listed them longest first: their rows as it laid them out
+            tensors = pack_tensors(tensors, row_layout([len(s.prompt_ids) + len(s.completion_ids) for s in samples]))
+        elif self.packing:
+            tensors = pack_tensors(tensors)
+        return to_device(tensors, self.device)
 
     def _routing_metrics(self, tensors: dict[str, Any], probe: list[Sample]) -> dict[str, float]:
         """A mixture-of-experts policy's router metrics for the forward just run (RoutingReplay.metrics)
@@ -431,7 +441,7 @@ class Trainer:
         shaped = self.shaped_rewards(samples, torch.tensor([sum(s.loss_mask) for s in samples]))
         adv = self.advantages(batch, shaped)
         lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-        planner = plan_packed_rows if self.packing else plan_micro_batches
+        planner = {True: plan_packed_rows, "rows": plan_row_packs}.get(self.packing, plan_micro_batches)
         plan = planner(lengths, self.world_size, self.train_cfg.micro_batch_tokens)
         mine, n_micro = plan[self.rank], max(len(p) for p in plan)
         plain = n_micro == 1 and self.world_size == 1

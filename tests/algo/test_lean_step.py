@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from factory.algo.losses import AGGREGATIONS
-from factory.training.parallel import padding_share, plan_micro_batches, plan_packed_rows, step_metrics_merge
+from factory.training.parallel import (
+    padding_share,
+    plan_micro_batches,
+    plan_packed_rows,
+    plan_row_packs,
+    row_layout,
+    step_metrics_merge,
+)
 from factory.recipe import recipe_from_dict
 from factory.core.types import Batch, Group, Sample, Task
 
@@ -107,21 +114,27 @@ def test_micro_batches_give_the_whole_batch_update(model_path, aggregation, extr
 
 @pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
 @pytest.mark.parametrize("extra", [[], ICEPOP_KL], ids=["plain", "icepop+kl"])
-def test_packed_rows_give_the_unpacked_update(model_path, aggregation, extra):
-    """Packed rows of at most 40 tokens (several rows, several samples each, positions restarting per
-    sample) give the gradient, loss and kept tokens of the unpacked whole batch, for every aggregation,
-    also with a correction that drops tokens by the current policy's ratio and KL to a reference."""
+@pytest.mark.parametrize("packing", ["true", "auto"], ids=["one-row", "rows"])
+def test_packed_rows_give_the_unpacked_update(model_path, aggregation, extra, packing):
+    """Packed micro-batches of at most 40 tokens give the gradient, loss and kept tokens of the unpacked
+    whole batch, for every aggregation, also with a correction that drops tokens by the current policy's
+    ratio and KL to a reference: one packed row each (`true`: several micro-batches, several samples
+    each, positions restarting per sample), or on sdpa at `auto` several rows each, as wide as the
+    micro-batch's longest sample, with what padding the rows leave."""
     over = [f"algorithm.aggregation={aggregation}", "train.grad_clip=1e9", *extra]
     whole = trainer_for(model_path, *over, "train.micro_batch_tokens=0", "train.packing=false")
-    packed = trainer_for(model_path, *over, "train.micro_batch_tokens=40", "train.packing=true")
-    assert packed.packing and not whole.packing
+    packed = trainer_for(model_path, *over, "train.micro_batch_tokens=40", f"train.packing={packing}")
+    assert packed.packing == (True if packing == "true" else "rows") and not whole.packing
     batch = ragged_batch(1)
     out_w, out_p = whole.train_step(batch), packed.train_step(batch)
     a = [p.grad.clone() for p in whole.model.parameters()]
     b = [p.grad.clone() for p in packed.model.parameters()]
-    assert out_p["train/micro_batches"] > 2  # several rows
-    assert out_p["train/micro_batches"] < sum(1 for _ in batch.samples)  # of several samples each
-    assert out_p["train/padding_share"] == 0.0 < out_w["train/padding_share"]
+    assert out_p["train/micro_batches"] > 1
+    if packing == "true":
+        assert out_p["train/micro_batches"] < sum(1 for _ in batch.samples)  # of several samples each
+        assert out_p["train/padding_share"] == 0.0 < out_w["train/padding_share"]
+    else:
+        assert out_p["train/padding_share"] < out_w["train/padding_share"]
     assert out_p["train/loss"] == pytest.approx(out_w["train/loss"], abs=1e-6)
     assert out_p["train/tokens"] == out_w["train/tokens"]
     for x, y in zip(a, b):
@@ -150,14 +163,26 @@ def test_packed_logprobs_equal_the_padded_ones_and_the_probe_refuses_a_model_tha
 
     trainer = trainer_for(model_path, "train.packing=true")
     assert trainer.packing and trainer.settings()["packing"] is True  # asked for: the tiny Llama (sdpa) packs
-    auto = trainer_for(model_path)  # auto: not on sdpa, whose dense [row, row] mask costs row^2; and it says so
-    assert not auto.packing and "dense [row, row] mask" in auto.settings()["packing_why"]
-    tensors = pad_samples(ragged_batch().samples, 0)
+    # auto: not into one row on sdpa, whose dense [row, row] mask costs row^2, but into rows; and it says so
+    auto = trainer_for(model_path)
+    assert auto.packing == "rows" and "dense [row, row] mask" in auto.settings()["packing_why"]
+    samples = ragged_batch().samples
+    tensors = pad_samples(samples, 0)
     packed = pack_tensors(tensors)
     assert packed["input_ids"].shape == (1, int(tensors["attention_mask"].sum()))
     assert packed["position_ids"][0, : int(tensors["attention_mask"][0].sum()) + 1].tolist()[-1] == 0  # restarts
     lean = completion_logprobs(trainer.model, tensors, 0.7, chunk_tokens=5)
     assert torch.allclose(completion_logprobs(trainer.model, packed, 0.7, chunk_tokens=5), lean, atol=1e-5)
+    # rows as wide as the longest sample, several samples in some, padding (positions restarting) after
+    lengths = [int(n) for n in tensors["attention_mask"].sum(1)]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    longest_first = {k: v[order] if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
+    rows = row_layout([lengths[i] for i in order])
+    assert len(rows) < len(lengths) and max(len(r) for r in rows) > 1
+    in_rows = pack_tensors(longest_first, rows)
+    assert in_rows["input_ids"].shape == (len(rows), max(lengths))
+    assert int(in_rows["attention_mask"].sum()) == sum(lengths)
+    assert torch.allclose(completion_logprobs(trainer.model, in_rows, 0.7, chunk_tokens=5), lean[order], atol=1e-5)
     assert packing_unsupported(trainer.model) is None
 
     class Blind(torch.nn.Module):
@@ -193,7 +218,6 @@ def test_packing_true_on_a_model_that_cannot_is_a_one_line_error_and_auto_says_w
     one_line = r"^train.packing: LlamaForCausalLM cannot \(test\); set train.packing to false or auto$"
     with pytest.raises(TrainerSetupError, match=one_line):
         trainer_for(model_path, "train.packing=true")
-    monkeypatch.setattr(trainer_module, "VARLEN_ATTENTION", ("sdpa",))  # as if sdpa ran packed rows per sample
     auto = trainer_for(model_path)
     assert not auto.packing and auto.settings()["packing_why"] == "off: LlamaForCausalLM cannot (test)"
     assert auto.train_step(ragged_batch(7))["train/padding_share"] > 0  # the grouped step instead
@@ -211,6 +235,24 @@ def test_plan_packs_rows_first_fit_decreasing_within_the_budget():
     loads = [sum(lengths[i] for row in shard for i in row) for shard in two]
     assert abs(loads[0] - loads[1]) <= 12 and all(sum(lengths[i] for i in r) <= 64 for s in two for r in s)
     assert padding_share(plan, lengths, packed=True) == 0.0
+
+
+def test_plan_row_packs_fills_rows_as_wide_as_each_micro_batchs_longest():
+    lengths = [30, 5, 22, 8, 12, 17, 50, 40]
+    plan = plan_row_packs(lengths, ranks=1, budget_tokens=100)  # 50 wide: two rows a micro-batch
+    assert sorted(i for mb in plan[0] for i in mb) == list(range(8))
+    first, second = plan[0]
+    # 50 wide, two rows: 50 | 40 + 8 (30, 22, 17, 12, 5 fit in neither); then 30 wide, three rows
+    assert first == [6, 7, 3] and second == [0, 2, 5, 4, 1]
+    assert [[mb[k] for k in row] for mb in plan[0] for row in row_layout([lengths[i] for i in mb])] == \
+        [[6], [7, 3], [0], [2, 1], [5, 4]]  # 30 | 22 + 5 | 17 + 12
+    assert padding_share(plan, lengths, packed="rows") < padding_share(plan_micro_batches(lengths, 1, 100), lengths)
+    assert plan_row_packs(lengths, 1, 0) == [[sorted(range(8), key=lambda i: -lengths[i])]]  # no budget: one
+    two = plan_row_packs(lengths, ranks=2, budget_tokens=60)
+    assert sorted(i for shard in two for mb in shard for i in mb) == list(range(8))
+    for shard in two:
+        for mb in shard:
+            assert len(row_layout([lengths[i] for i in mb])) * max(lengths[i] for i in mb) <= 60
 
 
 def test_the_merged_loss_is_the_whole_batch_loss(model_path):

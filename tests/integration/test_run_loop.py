@@ -19,7 +19,8 @@ def trained_rows(run_dir):
 
 @pytest.mark.parametrize("eta", [0, 2])
 def test_no_trained_sample_is_older_than_eta(engine, tmp_path, eta):
-    # η = 0 trains on packed rows (asked for: `auto` packs only where attention is variable-length), η = 2 at auto
+    # η = 0 trains on one packed row (asked for: `auto` packs into one row only where attention is variable-length),
+    # η = 2 at auto: on sdpa, rows as wide as the longest sample
     packing = "true" if eta == 0 else "auto"
     recipe = small_recipe(f"async.max_staleness={eta}", "train.steps=5", "eval.before=false", "train.threads=auto",
                           f"train.packing={packing}")
@@ -48,8 +49,9 @@ def test_no_trained_sample_is_older_than_eta(engine, tmp_path, eta):
     assert list(spent) == ["inputs", "start", "training", "stop", "evaluation_after", "shutdown"], spent
     assert min(spent.values()) >= 0 and spent["training"] > 0
     assert abs(sum(spent.values()) - results["total_seconds"]) < 0.1 * results["total_seconds"] + 0.5
-    # the run says what the trainer's auto settings became: packed rows where asked, else why not
-    chosen = {"packing": eta == 0, "activation_checkpointing": False, "logprob_chunk_tokens": 512, "compile": False}
+    # the run says what the trainer's auto settings became: one packed row where asked, else rows and why
+    chosen = {"packing": True if eta == 0 else "rows", "activation_checkpointing": False, "logprob_chunk_tokens": 512,
+              "compile": False}
     assert {k: results["trainer"][k] for k in chosen} == chosen
     assert ("dense" in results["trainer"].get("packing_why", "")) == (eta != 0)
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

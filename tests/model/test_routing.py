@@ -120,10 +120,18 @@ def test_packed_rows_replay_the_recorded_routes_as_the_padded_batch_does(moe):
         replay.set(packed["routing"], packed["attention_mask"])
         got = completion_logprobs(moe, packed)
         assert replay.metrics()["train/router_agreement"] == agreement
+        # several rows (train.packing: auto on sdpa), two samples in one and padding after the other: the
+        # same experts replayed
+        in_rows = pack_tensors(padded, [[0, 1], [2]])
+        assert in_rows["input_ids"].shape == (2, 23) and in_rows["routing"].shape[:2] == (2, 23)
+        replay.set(in_rows["routing"], in_rows["attention_mask"])
+        got_rows = completion_logprobs(moe, in_rows)
+        assert replay.metrics()["train/router_agreement"] == agreement
     finally:
         replay.remove()
     own = completion_logprobs(moe, pack_tensors(pad_samples(samples(), 0)))  # no hooks: the router's own routes
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert torch.allclose(got_rows, want, atol=1e-5), (got_rows - want).abs().max()
     assert (own - want).abs().max() > 1e-2
 
 
