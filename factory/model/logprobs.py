@@ -112,7 +112,7 @@ def _pack_rows(out: dict[str, Any], tensors: dict[str, Any], lens: list[int], ro
             packed[r, at: at + n] = ids[i, :n]
             mask[r, at: at + n] = 1
             positions[r, at: at + n] = torch.arange(n)
-            if packed_routing is not None:
+            if packed_routing is not None and routing is not None:
                 packed_routing[r, at: at + n] = routing[i, :n]
             sample_rows[i], sample_starts[i] = r, at
             at += n
