@@ -76,30 +76,19 @@ def plan_packed_rows(lengths: list[int], ranks: int = 1, budget_tokens: int = 0)
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     plan: list[list[list[int]]] = []
     for shard in balanced_shards(lengths, ranks):
-        rows: list[list[int]] = []
-        fill: list[int] = []
-        for i in shard:
-            slot = next((k for k, used in enumerate(fill)
-                         if budget_tokens <= 0 or used + lengths[i] <= budget_tokens), None)
-            if slot is None:
-                rows.append([])
-                fill.append(0)
-                slot = len(rows) - 1
-            rows[slot].append(i)
-            fill[slot] += lengths[i]
-        plan.append(rows)
+        rows = first_fit([lengths[i] for i in shard], budget_tokens)
+        plan.append([[shard[k] for k in row] for row in rows])
     return plan
 
 
-def row_layout(lengths: list[int], max_rows: int = 0) -> list[list[int]]:
-    """A micro-batch's samples (`lengths`, longest first) packed into rows as wide as its longest
-    sample, first-fit: each sample goes into the first row with room left, else a new row (at most
-    `max_rows`; 0: no limit); samples that fit nowhere are left out. Rows of local indices."""
-    width = max(lengths, default=0)
+def first_fit(lengths: list[int], capacity: int, max_rows: int = 0) -> list[list[int]]:
+    """Rows of local indices: each of `lengths`, in order, goes into the first row whose tokens stay
+    within `capacity` (0: no limit), else into a new row (at most `max_rows`, 0: no limit; a sample
+    that then fits nowhere is left out, one longer than `capacity` gets a row of its own)."""
     rows: list[list[int]] = []
     fill: list[int] = []
     for i, n in enumerate(lengths):
-        slot = next((k for k, used in enumerate(fill) if used + n <= width), None)
+        slot = next((k for k, used in enumerate(fill) if capacity <= 0 or used + n <= capacity), None)
         if slot is None:
             if max_rows and len(rows) >= max_rows:
                 continue
@@ -109,6 +98,12 @@ def row_layout(lengths: list[int], max_rows: int = 0) -> list[list[int]]:
         rows[slot].append(i)
         fill[slot] += n
     return rows
+
+
+def row_layout(lengths: list[int], max_rows: int = 0) -> list[list[int]]:
+    """A micro-batch's samples (`lengths`, longest first) packed first-fit into rows as wide as its
+    longest sample (`first_fit`; at most `max_rows`, 0: no limit). Rows of local indices."""
+    return first_fit(lengths, max(lengths, default=0), max_rows)
 
 
 def plan_row_packs(lengths: list[int], ranks: int = 1, budget_tokens: int = 0) -> list[list[list[int]]]:

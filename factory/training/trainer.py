@@ -402,8 +402,8 @@ class Trainer:
         return loss, out, mask
 
     def _tensors(self, samples: list[Sample]) -> dict[str, Any]:
-        """A micro-batch's inputs on the device: padded rows, or one packed row (`train.packing`) whose
-        [B, T] tensors the loss reads stay per sample."""
+        """A micro-batch's inputs on the device: padded rows, one packed row, or rows of packed samples
+        (`train.packing`); the [B, T] tensors the loss reads stay per sample."""
         tensors = pad_samples(samples, self.tokenizer.pad_token_id)
         if self.packing == "rows":  # the planner listed them longest first: their rows as it laid them out
             tensors = pack_tensors(tensors, row_layout([len(s.prompt_ids) + len(s.completion_ids) for s in samples]))
