@@ -105,7 +105,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
     spent = PhaseTimes()
     policy, source, heldout = _inputs(recipe, record, phase, on_sft_step)
     spent.mark("inputs")
-    with local_ray(), killed_on_error() as created:  # a failed run leaves no actor behind, on any cluster
+    with local_ray() as own_ray, killed_on_error() as created:  # a failed run leaves no actor behind, on any cluster
         phase("starting engines, trainer, buffer, env workers")
         a = start_actors(recipe, run_dir, record, policy, source.train, engines, created)
         version = restore(a, recipe, resume_from)
@@ -135,7 +135,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         if recipe.eval.after:
             results["after"] = _evaluate(a, heldout, recipe, record, recipe.train.steps, "after", phase)
             spent.mark("evaluation_after")
-        stop_actors(a, created)
+        stop_actors(a, created, keep_trainer=not own_ray)  # a Ray that ends with the run takes its trainer along
         spent.mark("shutdown")
     results["phase_seconds"] = spent.seconds
     log.info("where the run's time went: %s", spent.line())

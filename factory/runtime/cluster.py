@@ -9,7 +9,8 @@ import os
 
 @contextlib.contextmanager
 def local_ray(num_cpus: int = 8):
-    """Start (and afterwards stop) Ray for one run; logical CPUs only gate actor placement."""
+    """Start (and afterwards stop) Ray for one run, unless this process has it running already; yields
+    whether it started it. Logical CPUs only gate actor placement."""
     import ray
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # inherited by raylet, GCS and workers
@@ -41,7 +42,7 @@ def local_ray(num_cpus: int = 8):
             )
         started = True
     try:
-        yield
+        yield started
     finally:
         if started:
             ray.shutdown()

@@ -258,14 +258,14 @@ def supervise(a: Actors, recipe: Recipe, run_dir: Path, created) -> Supervisor:
                       restartable=a.own_engines and not recipe.rollout.urls)
 
 
-def stop_actors(a: Actors, created) -> None:
-    """The run's end: env workers closed, its own engines stopped, every actor it made killed but a one-rank
-    trainer, kept for the driver's next run (`WarmTrainers`)."""
+def stop_actors(a: Actors, created, keep_trainer: bool = True) -> None:
+    """The run's end: env workers closed, its own engines stopped, every actor it made killed but (with
+    `keep_trainer`) a one-rank trainer, kept for the driver's next run (`WarmTrainers`)."""
     ray.get([w.close.remote() for w in a.workers])
     if a.own_engines:
         ray.get([e.stop.remote() for e in a.engines])
     ranks = a.trainer_ranks()
-    kept = ranks[0] if len(ranks) == 1 and WARM_TRAINERS.keep(ranks[0], a.trainer_placement) else None
+    kept = ranks[0] if keep_trainer and len(ranks) == 1 and WARM_TRAINERS.keep(ranks[0], a.trainer_placement) else None
     for actor in created:  # the run's own actors end with it (not when Python collects their handles)
         if actor is not kept:
             ray.kill(actor)
