@@ -393,6 +393,12 @@ BENCHES = [
             ("spawned / forked", "spawn_over_fork", x), ("first fork (starts the zygote)", "first_fork_s", s),
             ("zygote's resident memory", "zygote_rss_mb", lambda v: f"{v:.0f} MB")])],
     }),
+    Bench("warm_processes", "Runs one after another in one process", ["python bench/warm_processes.py --rounds 4"], {
+        "warm_processes.json": [Table("medians.*", [
+            ("the run's trainer and env worker", key(0), None), ("start, median", "start_s", s),
+            ("whole run, median", "wall_s", s), ("training, median", "training_s", s)]), Table("", [
+            ("start, new / kept", "start_new_over_kept", x), ("whole run, new / kept", "wall_new_over_kept", x)])],
+    }),
     Bench("vllm_routes", "vLLM's API server per route", ["python bench/vllm_routes.py"], {
         "vllm_routes.json": [Table("ways.*", [
             ("route", key(0), None), ("API server CPU per round", "api_server_cpu_s_per_round", ms),

@@ -135,7 +135,7 @@ def _run(recipe: Recipe, run_dir: Path, record: RunRecorder, on_step, phase, res
         if recipe.eval.after:
             results["after"] = _evaluate(a, heldout, recipe, record, recipe.train.steps, "after", phase)
             spent.mark("evaluation_after")
-        stop_actors(a, created, keep_trainer=not own_ray)  # a Ray that ends with the run takes its trainer along
+        stop_actors(a, recipe, created, keep=not own_ray)  # a Ray that ends with the run takes its actors along
         spent.mark("shutdown")
     results["phase_seconds"] = spent.seconds
     log.info("where the run's time went: %s", spent.line())

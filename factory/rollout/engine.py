@@ -143,6 +143,14 @@ class Batcher:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def cancel(self) -> list[asyncio.Task]:
+        """Drop what waits for a batch and cancel the flushes under way; the cancelled tasks (to await)."""
+        self._pending = []
+        left = [t for t in self._tasks if not t.done()]
+        for task in left:
+            task.cancel()
+        return left
+
 
 class AdmissionGate:
     """Counts in-flight requests and lets a weight update close the door and wait for drain.

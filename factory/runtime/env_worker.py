@@ -192,3 +192,23 @@ class EnvWorkerActor(Placed):
     async def close(self) -> None:
         await self.runner.close()
         await self.gateway.close()
+
+    async def release(self) -> bool:
+        """The run's end for a process kept for the next run (factory/runtime/warm.py), after `close`: its
+        lease renewal and any group task still alive cancelled, its environment's sandbox closed, its handles
+        on the run's engines and buffer dropped. It may always be kept."""
+        self.producing = False
+        left = [t for t in (self._renewing, *self.tasks) if t is not None and not t.done()]
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, *self.reports.cancel(), return_exceptions=True)
+        sandbox = getattr(self.env, "sandbox", None)
+        if sandbox is not None and hasattr(sandbox, "close"):
+            sandbox.close()
+        self.engines, self.buffer, self.gateway, self.runner, self.env = [], None, None, None, None  # type: ignore[assignment]
+        return True
+
+    async def rebuild(self, *args, **kwargs) -> None:
+        """A new run's env worker in this released process, whose imports are done: made as `__init__`
+        makes one, with its arguments."""
+        self.__init__(*args, **kwargs)  # type: ignore[misc]  # the constructor's own work, on a live actor

@@ -25,7 +25,8 @@ from factory.runtime.engine_actor import EngineActor
 from factory.runtime.env_worker import EnvWorkerActor
 from factory.runtime.supervisor import Supervisor
 from factory.runtime.trainer_actor import ScorerActor
-from factory.runtime.trainers import WARM_TRAINERS, start_trainer
+from factory.runtime.trainers import start_trainer
+from factory.runtime.warm import ENV_WORKERS, TRAINERS
 from factory.runtime.transfer import DirBundle, node_ip
 from factory.runtime.weights import connect_broadcast, publish_weights
 from factory.support.threads import shape_of
@@ -75,7 +76,6 @@ class Actors:
     own_engines: bool
     policy: object  # the base policy's DirBundle in the object store (env workers read the tokenizer from it)
     verifiers: list = field(default_factory=list)  # the train tasks' verifier specs: env workers warm them up
-    trainer_placement: dict | None = None  # `placement.trainer`: where a kept trainer process may serve again
 
     def trainer_ranks(self) -> list:
         return getattr(self.trainer, "ranks", [self.trainer])  # a TrainerGroup's, or the one trainer
@@ -126,11 +126,17 @@ class Launch:
         return start_engines([self.engine(i, tag)], lambda _, retry: self.engine(i, retry), self.startup_s, tag)[0]
 
     def env_worker(self, a: Actors, owner: str, start: bool = False):
-        """An env worker under the token `owner`; `start`: its gateway serving (a restart's)."""
+        """An env worker under the token `owner` (rebuilt in the process a finished run kept, if there is one:
+        factory/runtime/warm.py); `start`: its gateway serving (a restart's)."""
         recipe = self.recipe
-        new = self._made(placed(EnvWorkerActor, recipe.placement.env_worker).remote(
-            a.policy, recipe.environment, recipe.rollout, a.engines, a.buffer, recipe.failures, recipe.deadlines,
-            owner, a.verifiers, self.routing))
+        args = (a.policy, recipe.environment, recipe.rollout, a.engines, a.buffer, recipe.failures, recipe.deadlines,
+                owner, a.verifiers, self.routing)
+        new = ENV_WORKERS.take(recipe.placement.env_worker)
+        if new is not None:
+            new.rebuild.remote(*args)  # not waited for, as a new actor's construction is not
+        else:
+            new = placed(EnvWorkerActor, recipe.placement.env_worker).remote(*args)
+        self._made(new)
         if start:
             ray.get(new.start.remote(), timeout=self.startup_s)
         return new
@@ -173,7 +179,7 @@ def start_actors(recipe: Recipe, run_dir: Path, record: RunRecorder, policy: Pat
     # the scoring phase: a teacher grading every trained token (on-policy distillation), if any
     scorer = make.scorer() if recipe.algorithm.distill.teacher else None
     a = Actors(engines, trainer, scorer, make.buffer(train_tasks, record), [], own_engines, make.policy,
-               verifier_specs(train_tasks), recipe.placement.trainer)
+               verifier_specs(train_tasks))
     # the env workers' processes are made now, beside the trainer's and the engines' (their gateways
     # serve from `start_env_workers`, once the engines hold this run's weights)
     a.workers = [make.env_worker(a, f"w{i}") for i in range(recipe.environment.workers)]
@@ -258,14 +264,19 @@ def supervise(a: Actors, recipe: Recipe, run_dir: Path, created) -> Supervisor:
                       restartable=a.own_engines and not recipe.rollout.urls)
 
 
-def stop_actors(a: Actors, created, keep_trainer: bool = True) -> None:
+def stop_actors(a: Actors, recipe: Recipe, created, keep: bool = True) -> None:
     """The run's end: env workers closed, its own engines stopped, every actor it made killed but (with
-    `keep_trainer`) a one-rank trainer, kept for the driver's next run (`WarmTrainers`)."""
+    `keep`) a one-rank trainer and an env worker, kept for the driver's next run (factory/runtime/warm.py)."""
     ray.get([w.close.remote() for w in a.workers])
     if a.own_engines:
         ray.get([e.stop.remote() for e in a.engines])
-    ranks = a.trainer_ranks()
-    kept = ranks[0] if keep_trainer and len(ranks) == 1 and WARM_TRAINERS.keep(ranks[0], a.trainer_placement) else None
+    kept = []
+    if keep:
+        ranks = a.trainer_ranks()
+        if len(ranks) == 1 and TRAINERS.keep(ranks[0], recipe.placement.trainer):
+            kept.append(ranks[0])
+        if a.workers and ENV_WORKERS.keep(a.workers[0], recipe.placement.env_worker):
+            kept.append(a.workers[0])
     for actor in created:  # the run's own actors end with it (not when Python collects their handles)
-        if actor is not kept:
+        if not any(actor is k for k in kept):
             ray.kill(actor)

@@ -48,9 +48,9 @@ class TrainerActor(Placed):
         self.plan: BucketPlan | None = None
 
     def release(self) -> bool:
-        """The run's end for a process kept for the next run (`WarmTrainers`): its trainer, weight group and
-        bucket plan dropped, their memory freed; whether it may be kept (a one-rank CPU trainer: a CUDA
-        process keeps its context and allocator, and that path has not run here, so it ends with its run)."""
+        """The run's end for a process kept for the next run (factory/runtime/warm.py): its trainer, weight
+        group and bucket plan dropped, their memory freed; whether it may be kept (a one-rank CPU trainer: a
+        CUDA process keeps its context and allocator, and that path has not run here, so it ends with its run)."""
         import gc
 
         keep = self.world_size == 1 and self.trainer is not None and self.trainer.device.type == "cpu"

@@ -11,7 +11,7 @@ import ray
 
 from factory.support.failures import DeadlineExceeded, EnvironmentFailure
 from factory.run import run
-from factory.runtime.trainers import WARM_TRAINERS
+from factory.runtime.warm import ENV_WORKERS, TRAINERS
 
 from .conftest import small_recipe
 
@@ -73,5 +73,5 @@ def test_a_trainer_step_past_its_deadline_ends_the_run(engine, tmp_path):
     recipe = small_recipe("deadlines.train_step_s=0.001", "eval.before=false")
     with pytest.raises(DeadlineExceeded, match=r"^trainer step 1: not done within deadlines\.train_step_s=0\.001 s"):
         run(recipe, tmp_path, engines=[engine])
-    # a failed run's trainer is killed with it, never kept for the next run (factory.runtime.trainers.WarmTrainers)
-    assert WARM_TRAINERS.kept() is None
+    # a failed run's actors are killed with it, never kept for the next run (factory/runtime/warm.py)
+    assert TRAINERS.kept() is None and ENV_WORKERS.kept() is None

