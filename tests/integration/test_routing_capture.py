@@ -58,7 +58,7 @@ def generate(engine: VLLMEngine, sampling: SamplingParams, prompts=PROMPTS, duri
             tasks = [asyncio.create_task(engine.generate(p, sampling, f"r{i}-{time.monotonic_ns()}"))
                      for i, p in enumerate(prompts)]
             if during is not None:
-                await during(engine)
+                await during(engine, tasks)
             return await asyncio.gather(*tasks)
         finally:
             await engine.close_client()
@@ -117,17 +117,21 @@ def test_seeded_and_token_endpoint_routes_report_routing_too(moe_server, referen
 
 @pytest.mark.parametrize("mode", ["abort_resume", "inflight"])
 def test_requests_cut_by_a_weight_update_carry_routing_for_every_token(moe_server, reference, mode):
-    """A weight update (the same weights, a new version label) lands mid-generation: abort_resume aborts
+    """Weight updates (the same weights, a new version label) land mid-generation: abort_resume aborts
     the requests and sends prompt + tokens so far back (the first new token's routing comes from that
     re-prefill's last position); inflight freezes them with their KV and continues. Either way every token
     has its routing, aligned as for an uninterrupted request."""
     n = 160
     sampling = SamplingParams(max_new_tokens=n, min_new_tokens=n, return_routing=True)
 
-    async def update(engine):
-        await asyncio.sleep(0.4)
-        await engine.begin_update()
-        await engine.end_update(engine.version + 1)
+    async def update(engine, requests):
+        # every 0.15 s until the requests are done, not once at a fixed moment: on an idle machine 4 x 160
+        # tokens were done within 0.4 s and one update at 0.4 s cut none; under load the first token comes late
+        while not all(r.done() for r in requests):
+            await asyncio.sleep(0.15)
+            if not all(r.done() for r in requests):
+                await engine.begin_update()
+                await engine.end_update(engine.version + 1)
 
     engine = engine_on(moe_server, mode)
     if mode == "inflight":  # the server labels tokens with the version it was last told: tell it this one
