@@ -94,4 +94,3 @@ def start_trainer(policy, recipe, shape: dict | None, resources: dict[str, float
     for r in ranks:  # every rank: the passes are collectives
         r.warm_up.remote()
     return TrainerGroup(ranks), ranks
-

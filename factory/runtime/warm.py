@@ -54,11 +54,10 @@ class WarmProcesses:
         None (start a new one). The caller sends it `rebuild(...)` before anything else."""
         if resources or self._kept is None:
             return None
-        (job, actor), self._kept = self._kept, None
-        if not self.enabled() or job != ray.get_runtime_context().get_job_id():
-            with contextlib.suppress(Exception):  # another job's handle: that Ray is gone, and its actor with it
-                ray.kill(actor)
+        if not self.enabled() or self._kept[0] != ray.get_runtime_context().get_job_id():
+            self.drop()  # kept for another job (that Ray is gone, and its actor with it), or keeping is off
             return None
+        actor, self._kept = self._kept[1], None
         try:
             ray.get(actor.pid.remote(), timeout=10)
         except (ray.exceptions.RayError, TimeoutError):
